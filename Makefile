@@ -1,0 +1,80 @@
+# MoK build. `make` builds build/libmok.so (host C always; CUDA objects for sm_90a when nvcc is
+# found), `make test` runs every test and ends with "N passed, N failed, N skipped", `make run`
+# runs the main job (GPU when present, else the CPU reference on a small shape), `make bench`
+# runs the benchmarks (needs an H200 and torch).
+
+CC       ?= gcc
+CXX      ?= g++
+NVCC     ?= $(shell command -v nvcc 2>/dev/null)
+CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),)
+BUILD    := build
+
+CFLAGS   := -std=c11 -O2 -g -Wall -Wextra -Werror=implicit-function-declaration -fPIC \
+            -Iinclude -Isrc
+LDLIBS   := -lm -lpthread
+
+HOST_SRCS := $(wildcard src/*.c src/cpu/*.c)
+CUDA_SRCS :=
+TEST_SRCS := $(wildcard tests/*.c)
+GPU_TEST_SRCS :=
+
+ifneq ($(NVCC),)
+  CUDA_SRCS     := $(wildcard src/cuda/*.cu)
+  GPU_TEST_SRCS := $(wildcard tests/gpu/*.cu)
+  CFLAGS        += -DMOK_WITH_CUDA -I$(CUDA_HOME)/include
+  NVCCFLAGS     := -std=c++17 -O3 -g -lineinfo -gencode=arch=compute_90a,code=sm_90a \
+                   -Xcompiler -fPIC -Xptxas -v -Iinclude -Isrc -DMOK_WITH_CUDA \
+                   --expt-relaxed-constexpr
+  # No -lcuda: CI machines have no driver; driver entry points come from cudaGetDriverEntryPoint.
+  CUDA_LIBS     := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+  LDLIBS        += $(CUDA_LIBS) -lstdc++
+endif
+
+HOST_OBJS := $(HOST_SRCS:%.c=$(BUILD)/%.o)
+CUDA_OBJS := $(CUDA_SRCS:%.cu=$(BUILD)/%.o)
+TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o) $(GPU_TEST_SRCS:%.cu=$(BUILD)/%.o)
+HEADERS   := $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*.cuh tests/*.h)
+
+.PHONY: all test run bench clean check-spills
+all: $(BUILD)/libmok.so $(BUILD)/mok_tests $(BUILD)/mok_run
+
+$(BUILD)/%.o: %.c $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+# ptxas resource reports (registers, spills) go to build/ptxas/<file>.log; check-spills reads them.
+$(BUILD)/%.o: %.cu $(HEADERS)
+	@mkdir -p $(dir $@) $(BUILD)/ptxas
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@ 2> $(BUILD)/ptxas/$(subst /,_,$<).log || \
+	  (cat $(BUILD)/ptxas/$(subst /,_,$<).log; exit 1)
+	@grep -E "warning|error" $(BUILD)/ptxas/$(subst /,_,$<).log || true
+
+$(BUILD)/libmok.so: $(HOST_OBJS) $(CUDA_OBJS)
+	$(CC) -shared -o $@ $^ $(LDLIBS)
+
+$(BUILD)/mok_tests: $(TEST_OBJS) $(BUILD)/libmok.so
+	$(CC) -o $@ $(TEST_OBJS) -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lmok $(LDLIBS) \
+	  $(if $(NVCC),-lcublas)
+
+$(BUILD)/mok_run: $(BUILD)/tools/mok_run.o $(BUILD)/libmok.so
+	$(CC) -o $@ $< -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lmok $(LDLIBS)
+
+# Fails when any kernel spills registers to local memory.
+check-spills: $(CUDA_OBJS)
+	@if ls $(BUILD)/ptxas/*.log >/dev/null 2>&1; then \
+	  if grep -h "spill" $(BUILD)/ptxas/*.log | grep -v " 0 bytes spill stores, 0 bytes spill loads" ; then \
+	    echo "register spills found (see $(BUILD)/ptxas/)"; exit 1; \
+	  else echo "no register spills in $(words $(CUDA_OBJS)) CUDA objects"; fi; \
+	else echo "no CUDA objects built (nvcc not found)"; fi
+
+test: $(BUILD)/mok_tests check-spills
+	$(BUILD)/mok_tests $(TESTS)
+
+run: $(BUILD)/mok_run
+	$(BUILD)/mok_run
+
+bench: all
+	python3 bench/run.py
+
+clean:
+	rm -rf $(BUILD)
