@@ -5,12 +5,13 @@
  * kernels, which report MOK_ERROR_NOT_IMPLEMENTED until they land).
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "mok_internal.h"
 
-static uint64_t g_next_layer_id = 1; /* only distinguishes contexts; races would be harmless */
+static atomic_uint_fast64_t g_next_layer_id = 1; /* distinguishes layers in saved contexts */
 
 static int is_gpu(mok_layer_t l) { return l->comm->device != MOK_DEVICE_CPU; }
 
@@ -80,7 +81,7 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
   l->EL = desc->num_experts / comm->nranks;
   double cf = desc->capacity_factor > 0 ? desc->capacity_factor : (double)comm->nranks;
   l->capacity_rows = (int64_t)ceil(cf * (double)(desc->max_tokens * desc->top_k));
-  l->id = g_next_layer_id++;
+  l->id = atomic_fetch_add(&g_next_layer_id, 1);
   *out = l;
   return MOK_SUCCESS;
 }
