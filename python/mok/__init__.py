@@ -1,0 +1,123 @@
+"""mok: a thin Python binding over libmok.so, the fused Mixture-of-Experts layer.
+
+Two levels:
+- mok.Layer works on anything that exposes a data pointer: numpy arrays (bf16 as uint16 bits)
+  or torch tensors; it owns the C layer handle and the saved-context buffer.
+- mok.torch.MoE is a torch.nn.Module whose forward and backward run the layer through
+  torch.autograd (imported lazily, so numpy-only users never need torch).
+
+A layer on device "cpu" runs the plain-C reference backend; on a CUDA device the GPU backend,
+which reports NOT_IMPLEMENTED until the GPU kernels land.
+"""
+import ctypes
+
+from ._lib import DEVICE_CPU, PRECISIONS, MokError, lib, check
+from ._lib import LayerDesc, Weights, ForwardArgs, BackwardArgs, VERSION_CODE
+
+__all__ = ["Layer", "MokError", "bf16_from_float32", "float32_from_bf16"]
+
+
+def bf16_from_float32(a):
+    """numpy float32 -> bf16 bits (uint16), round to nearest even, NaN kept (as the C library)."""
+    import numpy as np
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def float32_from_bf16(b):
+    import numpy as np
+    return (np.ascontiguousarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _ptr(t):
+    """The data pointer of a numpy array or torch tensor (None stays None)."""
+    if t is None:
+        return None
+    if hasattr(t, "data_ptr"):
+        if not t.is_contiguous():
+            raise MokError("INVALID_VALUE", "tensors passed to MoK must be contiguous")
+        return t.data_ptr()
+    if not t.flags["C_CONTIGUOUS"]:
+        raise MokError("INVALID_VALUE", "arrays passed to MoK must be C-contiguous")
+    return t.ctypes.data
+
+
+class Layer:
+    """One MoE layer handle. Shapes per DESIGN.md: x [T, H] bf16, topk_idx [T, K] int32,
+    topk_w [T, K] fp32, wg/wu [E, I, H], wd [E, H, I], shared wsg/wsu [Is, H], wsd [H, Is].
+    Arrays must be contiguous and stay alive for the duration of each call."""
+
+    def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens,
+                 shared_intermediate=0, precision="bf16", device="cpu", wgrad_fp32=True,
+                 wgrad_accumulate=False, recompute=False, capacity_factor=0.0):
+        self._comm, self._layer = ctypes.c_void_p(), ctypes.c_void_p()
+        if precision not in PRECISIONS:
+            raise MokError("INVALID_VALUE", f"precision {precision!r}: one of {list(PRECISIONS)}")
+        self._lib = lib()
+        self.device = device
+        d = LayerDesc()
+        d.struct_size, d.version = ctypes.sizeof(LayerDesc), VERSION_CODE
+        d.hidden, d.intermediate, d.num_experts, d.top_k = hidden, intermediate, num_experts, top_k
+        d.shared_intermediate, d.max_tokens = shared_intermediate, max_tokens
+        d.precision, d.wgrad_dtype = PRECISIONS[precision], int(bool(wgrad_fp32))
+        d.wgrad_accumulate, d.context_mode = int(bool(wgrad_accumulate)), int(bool(recompute))
+        d.capacity_factor = capacity_factor
+        self.desc = d
+        ordinal = DEVICE_CPU if device == "cpu" else int(str(device).split(":")[-1])
+        check(self._lib.mok_comm_create_local(ctypes.byref(self._comm), ordinal))
+        try:
+            check(self._lib.mok_layer_create(ctypes.byref(self._layer), self._comm, ctypes.byref(d)))
+        except MokError:
+            self._lib.mok_comm_destroy(self._comm)
+            self._comm = ctypes.c_void_p()
+            raise
+
+    def close(self):
+        if self._layer:
+            self._lib.mok_layer_destroy(self._layer)
+            self._layer = ctypes.c_void_p()
+        if self._comm:
+            self._lib.mok_comm_destroy(self._comm)
+            self._comm = ctypes.c_void_p()
+
+    def __del__(self):
+        self.close()
+
+    def _size(self, fn):
+        n = ctypes.c_size_t()
+        check(fn(self._layer, ctypes.byref(n)))
+        return n.value
+
+    def context_bytes(self):
+        return self._size(self._lib.mok_context_size)
+
+    def quantized_weights_bytes(self):
+        return self._size(self._lib.mok_quantized_weights_size)
+
+    @staticmethod
+    def _weights(w, quantized=None):
+        get = (lambda k: _ptr(w.get(k))) if isinstance(w, dict) else (lambda k: None)
+        return Weights(*(get(k) for k in ("wg", "wu", "wd", "wsg", "wsu", "wsd")), _ptr(quantized))
+
+    def quantize_weights(self, w, out):
+        """Fills `out` (quantized_weights_bytes() bytes, 16-byte aligned) from the bf16 weights."""
+        check(self._lib.mok_quantize_weights(self._layer, ctypes.byref(self._weights(w)),
+                                             _ptr(out), None))
+
+    def _args(self, x, topk_idx, topk_w, w, quantized):
+        return ForwardArgs(x.shape[0], _ptr(x), _ptr(topk_idx), _ptr(topk_w),
+                           self._weights(w, quantized))
+
+    def forward(self, x, topk_idx, topk_w, w, y, ctx, quantized=None, stream=None):
+        """y <- the layer; ctx (context_bytes() bytes) is written for backward."""
+        a = self._args(x, topk_idx, topk_w, w, quantized)
+        check(self._lib.mok_forward(self._layer, ctypes.byref(a), _ptr(y), _ptr(ctx), stream))
+
+    def backward(self, x, topk_idx, topk_w, w, ctx, dy, grads, quantized=None, stream=None):
+        """grads: dict with dx, dtopk_w, dwg, dwu, dwd (and dwsg, dwsu, dwsd with a shared expert)."""
+        a = self._args(x, topk_idx, topk_w, w, quantized)
+        g = BackwardArgs(_ptr(dy), *(_ptr(grads.get(k)) for k in
+                                     ("dx", "dtopk_w", "dwg", "dwu", "dwd", "dwsg", "dwsu", "dwsd")))
+        check(self._lib.mok_backward(self._layer, ctypes.byref(a), ctypes.byref(g), _ptr(ctx), stream))

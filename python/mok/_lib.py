@@ -1,0 +1,101 @@
+"""_lib.py: ctypes declarations of include/mok.h and the loading of libmok.so.
+
+The structs mirror the C header field for field; mok_layer_create checks struct_size and version,
+so a drift between the two shows up as MokError(VERSION_MISMATCH), never as silent corruption.
+"""
+import ctypes
+import os
+
+RESULTS = [
+    "SUCCESS", "NULL_POINTER", "INVALID_VALUE", "INVALID_SHAPE", "MISALIGNED", "VERSION_MISMATCH",
+    "WRONG_DEVICE", "NO_DEVICE", "NOT_IMPLEMENTED", "NOT_AVAILABLE", "OUT_OF_MEMORY", "CUDA", "NCCL",
+    "INVALID_ROUTING", "CAPACITY_OVERFLOW", "TIMEOUT", "CONTEXT_MISMATCH", "INTERNAL",
+]
+PRECISIONS = {"bf16": 0, "fp8-block": 1, "mxfp8": 2}
+DEVICE_CPU = -1
+VERSION_CODE = 100  # MOK_VERSION_CODE of the header these structs mirror
+
+
+class MokError(RuntimeError):
+    """A failed MoK call: .code is the result name (e.g. 'INVALID_ROUTING'), str() the detail."""
+
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t), ("version", ctypes.c_int),
+        ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+        ("shared_intermediate", ctypes.c_int64), ("max_tokens", ctypes.c_int64),
+        ("precision", ctypes.c_int), ("fp8_scale", ctypes.c_int), ("wgrad_dtype", ctypes.c_int),
+        ("wgrad_accumulate", ctypes.c_int), ("context_mode", ctypes.c_int),
+        ("comm_sms", ctypes.c_int), ("capacity_factor", ctypes.c_double),
+    ]
+
+
+class Weights(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("wg", "wu", "wd", "wsg", "wsu", "wsd", "quantized")]
+
+
+class ForwardArgs(ctypes.Structure):
+    _fields_ = [("num_tokens", ctypes.c_int64), ("x", ctypes.c_void_p),
+                ("topk_idx", ctypes.c_void_p), ("topk_w", ctypes.c_void_p), ("w", Weights)]
+
+
+class BackwardArgs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p)
+                for n in ("dy", "dx", "dtopk_w", "dwg", "dwu", "dwd", "dwsg", "dwsu", "dwsd")]
+
+
+def _find_library():
+    env = os.environ.get("MOK_LIBRARY")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "..", "..", "build", "libmok.so")
+
+
+def load():
+    lib = ctypes.CDLL(_find_library())
+    vp, res = ctypes.c_void_p, ctypes.c_int
+    sigs = {
+        "mok_version": ([], ctypes.c_int),
+        "mok_error_string": ([res], ctypes.c_char_p),
+        "mok_last_error": ([], ctypes.c_char_p),
+        "mok_comm_create_local": ([ctypes.POINTER(vp), ctypes.c_int], res),
+        "mok_comm_destroy": ([vp], res),
+        "mok_layer_create": ([ctypes.POINTER(vp), vp, ctypes.POINTER(LayerDesc)], res),
+        "mok_layer_destroy": ([vp], res),
+        "mok_context_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
+        "mok_quantized_weights_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
+        "mok_quantize_weights": ([vp, ctypes.POINTER(Weights), vp, vp], res),
+        "mok_forward": ([vp, ctypes.POINTER(ForwardArgs), vp, vp, vp], res),
+        "mok_backward": ([vp, ctypes.POINTER(ForwardArgs), ctypes.POINTER(BackwardArgs), vp, vp], res),
+    }
+    for name, (argtypes, restype) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    if lib.mok_version() // 100 != VERSION_CODE // 100:
+        raise MokError("VERSION_MISMATCH", f"libmok.so is version {lib.mok_version()}, "
+                       f"the binding expects {VERSION_CODE}")
+    return lib
+
+
+_LIB = None
+
+
+def lib():
+    global _LIB
+    if _LIB is None:
+        _LIB = load()
+    return _LIB
+
+
+def check(result):
+    """Raises MokError with the library's detail message when a call failed."""
+    if result != 0:
+        code = RESULTS[result] if 0 <= result < len(RESULTS) else str(result)
+        raise MokError(code, lib().mok_last_error().decode(errors="replace"))
