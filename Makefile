@@ -28,14 +28,29 @@ ifneq ($(NVCC),)
   # No -lcuda: CI machines have no driver; driver entry points come from cudaGetDriverEntryPoint.
   CUDA_LIBS     := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
   LDLIBS        += $(CUDA_LIBS) -lstdc++
+  # NCCL 2.28+ with the device API headers, for expert parallelism: NCCL_HOME when given, else
+  # the CUDA toolkit's, else the nvidia-nccl Python wheel (PyTorch's). Without it the NCCL
+  # constructors report MOK_ERROR_NOT_AVAILABLE. The wheel ships only libnccl.so.2.
+  ifeq ($(NCCL_HOME),)
+    NCCL_HOME := $(shell if [ -f "$(CUDA_HOME)/include/nccl_device.h" ]; then echo "$(CUDA_HOME)"; \
+                   else python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null; fi)
+  endif
+  ifneq ($(wildcard $(NCCL_HOME)/include/nccl_device.h),)
+    NCCL_LIBDIR := $(firstword $(foreach d,lib lib64,$(if $(wildcard $(NCCL_HOME)/$(d)/libnccl.so.2),$(NCCL_HOME)/$(d))))
+    # before the toolkit's include dir, which may hold another nccl.h
+    CFLAGS      := -DMOK_WITH_NCCL -I$(NCCL_HOME)/include $(CFLAGS)
+    NVCCFLAGS   := -DMOK_WITH_NCCL -I$(NCCL_HOME)/include $(NVCCFLAGS)
+    LDLIBS      += -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -l:libnccl.so.2
+  endif
 endif
 
 HOST_OBJS := $(HOST_SRCS:%.c=$(BUILD)/%.o)
 CUDA_OBJS := $(CUDA_SRCS:%.cu=$(BUILD)/%.o)
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o) $(GPU_TEST_SRCS:%.cu=$(BUILD)/%.o)
-HEADERS   := $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*.cuh tests/*.h)
+HEADERS   := $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*.cuh tests/*.h \
+               tests/gpu/*.cuh)
 
-.PHONY: all test run bench clean check-spills
+.PHONY: all test run bench clean check-spills nccl-info
 all: $(BUILD)/libmok.so $(BUILD)/mok_tests $(BUILD)/mok_run
 
 $(BUILD)/%.o: %.c $(HEADERS)
@@ -81,6 +96,10 @@ run: $(BUILD)/mok_run
 
 bench: all
 	python3 bench/run.py
+
+# Which NCCL the build uses (empty: none, the transport reports MOK_ERROR_NOT_AVAILABLE).
+nccl-info:
+	@echo "NCCL_HOME=$(NCCL_HOME) NCCL_LIBDIR=$(NCCL_LIBDIR)"
 
 clean:
 	rm -rf $(BUILD)

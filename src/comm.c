@@ -1,5 +1,9 @@
-/* comm.c: communicators. W = 1 needs nothing; the NCCL-backed constructors exist with their final
- * signatures and report MOK_ERROR_NOT_AVAILABLE until the expert-parallel transport lands. */
+/* comm.c: communicators. W = 1 needs nothing; expert parallelism wraps an NCCL communicator
+ * (the caller's, or one we create from a unique id) and its device communicator, whose creation
+ * is where NCCL tells us that symmetric memory works. Windows and the transport live in
+ * transport.c; the NCCL calls themselves in cuda/nccl_window.cu. Builds without NCCL keep the
+ * constructors and report MOK_ERROR_NOT_AVAILABLE. */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "mok_internal.h"
@@ -31,12 +35,34 @@ mokResult_t mok_comm_create_local(mok_comm_t *out, int device) {
   return MOK_SUCCESS;
 }
 
-static mokResult_t no_transport_yet(const char *fn) {
-  return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
-                  "%s: expert parallelism over NCCL is not available in this version yet; use "
-                  "mok_comm_create_local (W = 1)",
-                  fn);
+#ifdef MOK_WITH_NCCL
+#include "cuda/launch.h"
+
+/* Wraps an NCCL communicator on `device`; creates the device communicator (collective), which
+ * is where NCCL tells us whether symmetric memory works. */
+static mokResult_t comm_from_nccl(mok_comm_t *out, void *nccl, int owns, int device) {
+  int rank = 0, nranks = 0, cdev = 0;
+  mokResult_t r = mok_nccl_comm_query(nccl, &rank, &nranks, &cdev);
+  if (r != MOK_SUCCESS) return r;
+  if (cdev != device)
+    return mok_fail(NULL, MOK_ERROR_WRONG_DEVICE,
+                    "the NCCL communicator runs on CUDA device %d, not device %d", cdev, device);
+  mok_comm_t c = calloc(1, sizeof(*c));
+  if (!c) return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_comm: calloc");
+  c->device = device;
+  c->rank = rank;
+  c->nranks = nranks;
+  c->nccl = nccl;
+  c->owns_nccl = owns;
+  r = mok_nccl_devcomm_create(nccl, &c->devcomm);
+  if (r != MOK_SUCCESS) {
+    free(c);
+    return r;
+  }
+  *out = c;
+  return MOK_SUCCESS;
 }
+#endif
 
 mokResult_t mok_comm_create_nccl(mok_comm_t *out, struct ncclComm *nccl, int device) {
   if (!out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_comm_create_nccl: out is NULL");
@@ -45,12 +71,26 @@ mokResult_t mok_comm_create_nccl(mok_comm_t *out, struct ncclComm *nccl, int dev
   if (device < 0)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "mok_comm_create_nccl: device %d is not a GPU",
                     device);
-  return no_transport_yet("mok_comm_create_nccl");
+#ifdef MOK_WITH_NCCL
+  mokResult_t r = check_device(device);
+  if (r != MOK_SUCCESS) return r;
+  return comm_from_nccl(out, nccl, 0, device);
+#else
+  return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
+                  "mok_comm_create_nccl: this build of MoK has no NCCL (set NCCL_HOME to an NCCL "
+                  "2.28+ with nccl_device.h); use mok_comm_create_local (W = 1)");
+#endif
 }
 
 mokResult_t mok_get_unique_id(mok_unique_id_t *id) {
   if (!id) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_get_unique_id: id is NULL");
-  return no_transport_yet("mok_get_unique_id");
+#ifdef MOK_WITH_NCCL
+  return mok_nccl_get_unique_id(id->internal, sizeof(id->internal));
+#else
+  return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
+                  "mok_get_unique_id: this build of MoK has no NCCL; use mok_comm_create_local "
+                  "(W = 1)");
+#endif
 }
 
 mokResult_t mok_comm_create_unique_id(mok_comm_t *out, const mok_unique_id_t *id, int rank,
@@ -64,12 +104,37 @@ mokResult_t mok_comm_create_unique_id(mok_comm_t *out, const mok_unique_id_t *id
   if (device < 0)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "mok_comm_create_unique_id: device %d is not a GPU", device);
-  return no_transport_yet("mok_comm_create_unique_id");
+#ifdef MOK_WITH_NCCL
+  mokResult_t r = check_device(device);
+  if (r != MOK_SUCCESS) return r;
+  void *nccl = NULL;
+  r = mok_nccl_comm_init_rank(&nccl, id->internal, rank, nranks, device);
+  if (r != MOK_SUCCESS) return r;
+  r = comm_from_nccl(out, nccl, 1, device);
+  if (r != MOK_SUCCESS) {
+    char msg[MOK_ERR_LEN]; /* keep the first failure's detail, not the cleanup's */
+    snprintf(msg, sizeof msg, "%s", mok_last_error());
+    mok_nccl_comm_destroy(nccl);
+    mok_fail_msg(NULL, r, msg);
+  }
+  return r;
+#else
+  return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
+                  "mok_comm_create_unique_id: this build of MoK has no NCCL; use "
+                  "mok_comm_create_local (W = 1)");
+#endif
 }
 
+/* Collective for NCCL communicators (the device communicator's teardown). */
 mokResult_t mok_comm_destroy(mok_comm_t comm) {
-  free(comm); /* NULL is fine, like free() */
-  return MOK_SUCCESS;
+  if (!comm) return MOK_SUCCESS; /* like free() */
+  mokResult_t r = MOK_SUCCESS;
+#ifdef MOK_WITH_NCCL
+  if (comm->devcomm) mok_nccl_devcomm_destroy(comm->nccl, comm->devcomm);
+  if (comm->owns_nccl) r = mok_nccl_comm_destroy(comm->nccl);
+#endif
+  free(comm);
+  return r;
 }
 
 #define COMM_GETTER(fn, field)                                                          \

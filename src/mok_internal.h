@@ -11,11 +11,18 @@
 
 #include "mok.h"
 
+#ifdef __cplusplus
+extern "C" { /* the CUDA launchers report errors through mok_fail */
+#endif
+
 enum { MOK_ERR_LEN = 512 };
 
 struct mok_comm {
   int device; /* CUDA ordinal, or MOK_DEVICE_CPU */
   int rank, nranks;
+  void *nccl;    /* ncclComm_t; NULL for a local communicator */
+  int owns_nccl; /* created from a unique id: destroyed with this communicator */
+  void *devcomm; /* NCCL device communicator: exists only where symmetric memory works */
 };
 
 struct mok_layer {
@@ -96,5 +103,9 @@ mokResult_t mok_cpu_quantize_weights(mok_layer_t l, const mok_weights_t *w, void
 mokResult_t mok_cuda_device_count(int *count);
 /* 1 if p is device (or managed) memory of `device`, 0 otherwise (host or another device). */
 int mok_cuda_ptr_on_device(const void *p, int device);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* MOK_INTERNAL_H */
