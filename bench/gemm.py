@@ -1,0 +1,421 @@
+"""
+bench/gemm.py: MoK's persistent grouped GEMM (build/libmok.so, mok_grouped_gemm_launch) against
+torch._grouped_mm, in the same process on the same inputs.
+
+Cases: the gate/up and down GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 with T = 16384
+tokens and top-k 8 (R = 131072 routed rows), balanced routing and skewed routing (4 experts take
+half of the rows); gate/up with MoK's fused SwiGLU epilogue against torch's plain GEMM; and the
+backward data-gradient GEMMs, whose weights are read N-major: ds = dy · Wd[e] (Wd [E, H, I]) and
+dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). The weight-gradient GEMMs (reduction over rows) are not
+implemented yet. fp8: the gate/up and down GEMMs with MoK's fp8-block path (1x128 activation and
+128x128 weight scales) against torch._scaled_grouped_mm with rowwise scales (use_fast_accum=True),
+each on its own quantization of the same bf16 operands (group sizes rounded to multiples of 16).
+
+Each case: check MoK's output against torch's (relative L2 error; a case whose error is above
+1e-2 is reported as wrong and not timed), then time both with CUDA events after warm-up (median of
+--reps launches; the operands are far larger than L2, so no rotation is needed). Prints a table
+and appends one JSON object per case to --jsonl (default bench/results/gemm.jsonl).
+
+    python3 bench/gemm.py [--commit SHA] [--cases substring] [--reps 30]
+"""
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+variants_names = ("mok_4stage_ms", "mok_cluster2_ms", "mok_direct_store_ms")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = {  # name: (H, I, E)
+    "qwen3-30b-a3b": (2048, 768, 128),
+    "qwen3-235b-a22b": (4096, 1536, 128),
+    "deepseek-v3": (7168, 2048, 256),
+}
+T, TOPK = 16384, 8
+
+# enums of src/cuda/launch.h
+BF16, FP8_BLOCK, KMAJOR, NMAJOR = 0, 1, 0, 1
+EPI_STORE_BF16, EPI_STORE_F32, EPI_ACCUM_F32, EPI_SWIGLU = 0, 1, 2, 3
+
+
+class Params(ctypes.Structure):  # mok_grouped_gemm_params_t
+    _fields_ = [("dtype", ctypes.c_int), ("b_layout", ctypes.c_int), ("epilogue", ctypes.c_int),
+                ("offsets_int64", ctypes.c_int), ("num_groups", ctypes.c_int64),
+                ("m_total", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("b2", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("c", ctypes.c_void_p),
+                ("row_scale", ctypes.c_void_p), ("g_out", ctypes.c_void_p),
+                ("u_out", ctypes.c_void_p), ("num_sms", ctypes.c_int),
+                ("a_scale", ctypes.c_void_p), ("b_scale", ctypes.c_void_p)]
+
+
+def load_lib(path):
+    lib = ctypes.CDLL(path)
+    lib.mok_grouped_gemm_launch.argtypes = [ctypes.POINTER(Params), ctypes.c_void_p]
+    lib.mok_grouped_gemm_launch.restype = ctypes.c_int
+    return lib
+
+
+def counts_for(routing, rows, experts, gen, align=1):
+    c = counts_unaligned(routing, rows, experts, gen)
+    if align > 1:  # round down to multiples of align, give the remainder to expert 0
+        c = c // align * align
+        c[0] += rows - int(c.sum())
+    return c
+
+
+def counts_unaligned(routing, rows, experts, gen):
+    if routing == "balanced":
+        c = torch.full((experts,), rows // experts, dtype=torch.int64)
+        c[: rows - int(c.sum())] += 1
+        return c
+    # skewed: 4 experts share half of the rows, the rest is spread at random over the others
+    hot = 4
+    c = torch.zeros(experts, dtype=torch.int64)
+    c[:hot] = rows // 2 // hot
+    rest = rows - int(c.sum())
+    picks = torch.randint(hot, experts, (rest,), generator=gen)
+    c += torch.bincount(picks, minlength=experts)
+    perm = torch.randperm(experts, generator=gen)  # hot experts not all at the front
+    return c[perm]
+
+
+def time_ms(fns, warmup, reps, rounds=3):
+    """Median ms of each function. The functions are timed in alternating rounds of reps/rounds
+    launches, so that a clock or thermal drift during the case affects all of them alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    per = max(1, reps // rounds)
+    for _ in range(rounds):
+        for fn, t in zip(fns, times):
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
+            for i in range(per):
+                starts[i].record()
+                fn()
+                ends[i].record()
+            torch.cuda.synchronize()
+            t.extend(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return [statistics.median(t) for t in times]
+
+
+def rel_err(x, ref):
+    x, ref = x.float(), ref.float()
+    return (torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def git_commit(arg):
+    if arg:
+        return arg
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       stderr=subprocess.DEVNULL).decode().strip()
+    except Exception:
+        return "unknown"
+
+
+def run_case(lib, model, gemm, routing, args, gen):
+    H, I, E = MODELS[model]
+    R = T * TOPK
+    dev = "cuda"
+    counts = counts_for(routing, R, E, gen)
+    ends = torch.cumsum(counts, 0)
+    offs_torch = ends.to(torch.int32).to(dev)                                # [E] ends
+    offs_mok = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(dev)
+    if gemm == "down":
+        N, K = H, I
+    elif gemm == "bwd_ds":  # dy [R, H] · Wd[e] [H, I]
+        N, K = I, H
+    elif gemm == "bwd_dx":  # dgu [R, 2I] · Wgu[e] [2I, H]
+        N, K = H, 2 * I
+    elif gemm == "gate_up":
+        N, K = 2 * I, H
+    else:  # gate_up_swiglu: output I columns from gate and up weights
+        N, K = I, H
+    a = (torch.randn(R, K, device=dev) * 0.5).to(torch.bfloat16)             # [R, K]
+    wscale = K ** -0.5
+    if gemm == "gate_up_swiglu":
+        wg = (torch.randn(E, I, H, device=dev) * wscale).to(torch.bfloat16)  # [E, I, H]
+        wu = (torch.randn(E, I, H, device=dev) * wscale).to(torch.bfloat16)  # [E, I, H]
+        w_base = torch.cat([wg, wu], dim=1)                                  # [E, 2I, H]
+        router = torch.rand(R, device=dev, dtype=torch.float32)              # [R]
+        out = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
+    elif gemm.startswith("bwd"):
+        w = (torch.randn(E, K, N, device=dev) * wscale).to(torch.bfloat16)   # [E, K, N]
+        out = torch.empty(R, N, device=dev, dtype=torch.bfloat16)
+    else:
+        w = (torch.randn(E, N, K, device=dev) * wscale).to(torch.bfloat16)   # [E, N, K]
+        w_base = w
+        out = torch.empty(R, N, device=dev, dtype=torch.bfloat16)
+
+    p = Params()
+    p.dtype, p.offsets_int64 = BF16, 0
+    p.b_layout = NMAJOR if gemm.startswith("bwd") else KMAJOR
+    p.num_groups, p.m_total, p.n, p.k = E, R, N, K
+    p.a, p.offsets, p.c = a.data_ptr(), offs_mok.data_ptr(), out.data_ptr()
+    if gemm == "gate_up_swiglu":
+        p.epilogue = EPI_SWIGLU
+        p.b, p.b2, p.row_scale = wg.data_ptr(), wu.data_ptr(), router.data_ptr()
+    else:
+        p.epilogue = EPI_STORE_BF16
+        p.b = w.data_ptr()
+    p.num_sms = args.sms
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def mok():
+        rc = lib.mok_grouped_gemm_launch(ctypes.byref(p), ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
+
+    def with_env(env):  # MoK in another configuration of its table, for the notes
+        def run():
+            old = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                mok()
+            finally:
+                for k, v in old.items():
+                    if v is None:
+                        del os.environ[k]
+                    else:
+                        os.environ[k] = v
+        return run
+
+    variants = {"mok_4stage_ms": with_env({"MOK_GG_STAGES": "4"}),
+                "mok_cluster2_ms": with_env({"MOK_GG_CLUSTER": "2"}),
+                "mok_direct_store_ms": with_env({"MOK_GG_TMA_STORE": "0"})}
+
+    # torch takes b as [E, K, N]: a transposed view of [E, N, K] weights (K-major per expert), or
+    # the N-major weights themselves for the backward cases
+    wt = w if gemm.startswith("bwd") else w_base.transpose(1, 2)
+
+    def base():
+        return torch._grouped_mm(a, wt, offs=offs_torch)
+
+    # correctness against torch on these inputs (poison first: every row must be written)
+    out.fill_(float("nan"))
+    mok()
+    ref = base()
+    if gemm == "gate_up_swiglu":
+        g, u = ref[:, :I].float(), ref[:, I:].float()
+        ref = (router[:, None] * torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    err = rel_err(out, ref)
+    nan = bool(torch.isnan(out.float()).any().item())
+    flops = 2.0 * R * K * (2 * N if gemm == "gate_up_swiglu" else N)
+    row = {"bench": "gemm", "case": f"{model}/{gemm}/{routing}", "device":
+           torch.cuda.get_device_name(), "dtype": "bf16", "M": R, "N": N, "K": K, "E": E,
+           "rel_err_vs_baseline": err, "baseline": "torch._grouped_mm" +
+           (" (gemm only, no activation)" if gemm == "gate_up_swiglu" else ""),
+           "commit": args.commit_resolved, "torch": torch.__version__}
+    if nan or not err < 1e-2:
+        row.update({"mok_ms": None, "baseline_ms": None, "ratio": None, "tflops": None,
+                    "baseline_tflops": None, "error": f"wrong result: rel err {err:.3g}, nan={nan}"})
+        return row
+    if args.variants:
+        for name, fn in variants.items():
+            out.fill_(float("nan"))
+            fn()
+            e = rel_err(out, ref)
+            if not e < 1e-2:
+                raise RuntimeError(f"{model}/{gemm}/{routing}: variant {name} wrong ({e})")
+        times = time_ms([mok, base] + list(variants.values()), args.warmup, args.reps)
+        mok_ms, base_ms = times[:2]
+        for name, t in zip(variants, times[2:]):
+            row[name] = t
+    else:
+        mok_ms, base_ms = time_ms([mok, base], args.warmup, args.reps)
+    row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
+                "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9})
+    return row
+
+
+E4M3_MAX = 448.0
+
+
+def quant_blocks(x, br, bc):
+    """x [R, C] -> (e4m3 [R, C], fp32 scales [R/br, C/bc]) with scale = amax / 448 per block."""
+    R, C = x.shape
+    xb = x.float().view(R // br, br, C // bc, bc)
+    scale = xb.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    q = (xb / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(R, C), scale
+
+
+def dequant_blocks(q, scale, br, bc):
+    R, C = q.shape
+    return (q.float().view(R // br, br, C // bc, bc) * scale[:, None, :, None]).view(R, C)
+
+
+def run_case_fp8(lib, model, gemm, routing, args, gen):
+    H, I, E = MODELS[model]
+    R = T * TOPK
+    dev = "cuda"
+    counts = counts_for(routing, R, E, gen, align=16)
+    ends = torch.cumsum(counts, 0)
+    offs_torch = ends.to(torch.int32).to(dev)
+    offs_mok = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(dev)
+    N, K = (2 * I, H) if gemm == "gate_up" else (H, I)
+    a = (torch.randn(R, K, device=dev, dtype=torch.bfloat16) * 0.5)              # [R, K]
+    w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) * (K ** -0.5)     # [E, N, K]
+    # MoK fp8-block operands, and torch's rowwise ones (per row of A, per (expert, column) of W);
+    # weights expert by expert to keep the fp32 temporaries small
+    a_q, a_s = quant_blocks(a, 1, 128)                                # [R, K], [R, K/128]
+    a_deq = dequant_blocks(a_q, a_s, 1, 128).to(torch.bfloat16)
+    w_q = torch.empty(E, N, K, device=dev, dtype=torch.float8_e4m3fn)
+    w_s = torch.empty(E, N // 128, K // 128, device=dev, dtype=torch.float32)
+    w_deq = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)
+    w_rq = torch.empty(E, N, K, device=dev, dtype=torch.float8_e4m3fn)
+    w_rs = torch.empty(E, N, device=dev, dtype=torch.float32)
+    for e in range(E):
+        w_q[e], w_s[e] = quant_blocks(w[e], 128, 128)
+        w_deq[e] = dequant_blocks(w_q[e], w_s[e], 128, 128).to(torch.bfloat16)
+        we = w[e].float()
+        w_rs[e] = we.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX
+        w_rq[e] = (we / w_rs[e][:, None]).to(torch.float8_e4m3fn)
+    a_rs = a.float().abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX              # [R]
+    a_rq = (a.float() / a_rs[:, None]).to(torch.float8_e4m3fn)
+    del w
+    out = torch.empty(R, N, device=dev, dtype=torch.bfloat16)
+
+    p = Params()
+    p.dtype, p.b_layout, p.epilogue, p.offsets_int64 = FP8_BLOCK, KMAJOR, EPI_STORE_BF16, 0
+    p.num_groups, p.m_total, p.n, p.k = E, R, N, K
+    p.a, p.b, p.offsets, p.c = a_q.data_ptr(), w_q.data_ptr(), offs_mok.data_ptr(), out.data_ptr()
+    p.a_scale, p.b_scale = a_s.data_ptr(), w_s.data_ptr()
+    p.num_sms = args.sms
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def mok():
+        rc = lib.mok_grouped_gemm_launch(ctypes.byref(p), ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
+
+    w_rq_t = w_rq.transpose(1, 2)  # [E, K, N], column-major per expert
+
+    def base():
+        return torch._scaled_grouped_mm(a_rq, w_rq_t, a_rs, w_rs, offs=offs_torch,
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    out.fill_(float("nan"))
+    mok()
+    ref = torch._grouped_mm(a_deq, w_deq.transpose(1, 2), offs=offs_torch)  # same quantized values
+    torch.cuda.synchronize()
+    err = rel_err(out, ref)
+    nan = bool(torch.isnan(out.float()).any().item())
+    flops = 2.0 * R * K * N
+    row = {"bench": "gemm", "case": f"{model}/{gemm}/{routing}/fp8", "device":
+           torch.cuda.get_device_name(), "dtype": "fp8-block (mok) vs fp8 rowwise (torch)",
+           "M": R, "N": N, "K": K, "E": E, "rel_err_vs_dequant_bf16": err,
+           "baseline": "torch._scaled_grouped_mm rowwise, use_fast_accum=True",
+           "commit": args.commit_resolved, "torch": torch.__version__}
+    del ref
+    try:
+        base_out = base()
+        for e in range(E):  # torch's own dequantized operands, for its error (w_deq is free now)
+            w_deq[e] = (w_rq[e].float() * w_rs[e][:, None]).to(torch.bfloat16)
+        a_deq = (a_rq.float() * a_rs[:, None]).to(torch.bfloat16)
+        row["baseline_rel_err_vs_dequant_bf16"] = rel_err(
+            base_out, torch._grouped_mm(a_deq, w_deq.transpose(1, 2), offs=offs_torch))
+        del base_out
+        base_ok = True
+    except Exception as ex:  # report, never fake a number
+        row["baseline_error"] = f"{type(ex).__name__}: {ex}"[:300]
+        base_ok = False
+    if nan or not err < 2e-2:
+        row.update({"mok_ms": None, "baseline_ms": None, "ratio": None, "tflops": None,
+                    "baseline_tflops": None, "error": f"wrong result: rel err {err:.3g}, nan={nan}"})
+        return row
+    if base_ok:
+        mok_ms, base_ms = time_ms([mok, base], args.warmup, args.reps)
+        row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
+                    "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9})
+    else:
+        (mok_ms,) = time_ms([mok], args.warmup, args.reps)
+        row.update({"mok_ms": mok_ms, "baseline_ms": None, "ratio": None,
+                    "tflops": flops / mok_ms / 1e9, "baseline_tflops": None})
+    row["rel_err_vs_baseline"] = err
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default=os.path.join(ROOT, "build", "libmok.so"))
+    ap.add_argument("--jsonl", default=os.path.join(ROOT, "bench", "results", "gemm.jsonl"))
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--cases", default="", help="run only cases whose name contains this")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sms", type=int, default=0, help="persistent CTAs (0 = one per SM)")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time MoK with 4 stages, 2-CTA clusters, direct stores")
+    args = ap.parse_args()
+    args.commit_resolved = git_commit(args.commit)
+    lib = load_lib(args.lib)
+    gen = torch.Generator().manual_seed(1234)
+    torch.manual_seed(1234)
+    rows = []
+    for model in MODELS:
+        for gemm in ("gate_up", "gate_up_swiglu", "down", "bwd_ds", "bwd_dx"):
+            for routing in ("balanced", "skewed"):
+                name = f"{model}/{gemm}/{routing}"
+                if args.cases and args.cases not in name:
+                    continue
+                row = run_case(lib, model, gemm, routing, args, gen)
+                rows.append(row)
+                torch.cuda.empty_cache()
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if row["mok_ms"] is None:
+                    print(f"{name:44s} {row['error']}", flush=True)
+                else:
+                    print(f"{name:44s} mok {row['mok_ms']:7.3f} ms {row['tflops']:6.1f} TF/s | "
+                          f"torch {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s | "
+                          f"ratio {row['ratio']:.3f} | err {row['rel_err_vs_baseline']:.2e}" +
+                          "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items()
+                                  if k in variants_names),
+                          flush=True)
+    if not args.no_fp8:
+        for model in MODELS:
+            for gemm in ("gate_up", "down"):
+                for routing in ("balanced", "skewed"):
+                    name = f"{model}/{gemm}/{routing}/fp8"
+                    if args.cases and args.cases not in name:
+                        continue
+                    row = run_case_fp8(lib, model, gemm, routing, args, gen)
+                    rows.append(row)
+                    torch.cuda.empty_cache()
+                    with open(args.jsonl, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(f"{name:44s} " + ("WRONG " + row["error"] if row["mok_ms"] is None else
+                          f"mok {row['mok_ms']:7.3f} ms {row['tflops']:6.1f} TF/s | " +
+                          (f"torch {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s"
+                           f" | ratio {row['ratio']:.3f}" if row["baseline_ms"] else
+                           "torch failed: " + row.get("baseline_error", "?")) +
+                          f" | err {row['rel_err_vs_dequant_bf16']:.2e}"), flush=True)
+    print(f"\n{'case':44s} {'mok ms':>8s} {'TF/s':>7s} {'torch ms':>9s} {'TF/s':>7s} {'ratio':>6s}")
+    for r in rows:
+        if r["mok_ms"] is None:
+            print(f"{r['case']:44s} WRONG ({r['error']})")
+        elif r["baseline_ms"] is None:
+            print(f"{r['case']:44s} {r['mok_ms']:8.3f} {r['tflops']:7.1f}   (baseline failed)")
+        else:
+            print(f"{r['case']:44s} {r['mok_ms']:8.3f} {r['tflops']:7.1f} {r['baseline_ms']:9.3f} "
+                  f"{r['baseline_tflops']:7.1f} {r['ratio']:6.3f}")
+    return 0 if all(r["mok_ms"] is not None for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+/*
+ * gemm_epilogue.cuh: what a consumer warpgroup does with its fp32 accumulator tile.
+ *
+ * Fragment layout of wgmma m64nN with fp32 accumulators, per warpgroup thread t (warp w = t / 32,
+ * lane l): acc[4j + e] holds row 16w + l/4 + 8(e/2) and column 8j + 2(l%4) + (e%2) of the
+ * warpgroup's [64, N] tile. So each thread owns pairs of adjacent columns, and the column pair j
+ * and j + N/2 (gate and up of the same output column in SwiGLU) sit in the same thread.
+ *
+ * Stores are masked: rows at or past the group's end and columns at or past N are never written,
+ * so rows outside every group keep whatever the caller had there.
+ */
+#ifndef MOK_CUDA_GEMM_EPILOGUE_CUH
+#define MOK_CUDA_GEMM_EPILOGUE_CUH
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "cuda/ptx.cuh"
+
+// Where a warpgroup's [64, NCOLS] piece of the tile lands in C.
+typedef struct {
+  int64_t row;      // first row of this thread's fragment: tile row0 + 64 wg + 16 warp + lane / 4
+  int64_t row_end;  // rows >= row_end are not stored
+  int col;          // first column of this thread: tile n0 + 2 (lane % 4)
+  int n;            // columns >= n are not stored
+  int64_t ldc;      // row stride of C in elements
+} epi_coords_t;
+
+__device__ __forceinline__ epi_coords_t epi_coords(int64_t row0, int64_t row_end, int n0, int n,
+                                                   int64_t ldc, int wg) {
+  const int t = threadIdx.x & 127;
+  epi_coords_t e;
+  e.row = row0 + 64 * wg + 16 * (t / 32) + (t & 31) / 4;
+  e.row_end = row_end;
+  e.col = n0 + 2 * (t & 3);
+  e.n = n;
+  e.ldc = ldc;
+  return e;
+}
+
+// silu(g) = g / (1 + e^-g) with the fast exponential and divide (a few ulp; the result is rounded
+// to bf16). For g < -88, e^-g is inf and __fdividef returns 0, the limit.
+__device__ __forceinline__ float epi_silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+// Router weights of this thread's two rows (1 where there is no row or no weight array). Loaded
+// before the tile's mainloop so that the global-load latency hides behind the MMA.
+__device__ __forceinline__ float2 epi_row_scales(const float *row_scale, epi_coords_t e) {
+  float2 w = make_float2(1.0f, 1.0f);
+  if (row_scale) {
+    if (e.row < e.row_end) w.x = row_scale[e.row];
+    if (e.row + 8 < e.row_end) w.y = row_scale[e.row + 8];
+  }
+  return w;
+}
+
+// c [.., ldc] bf16 = bf16(acc), NACC accumulators = NACC / 4 column chunks of 8.
+template <int NACC>
+__device__ __forceinline__ void epi_store_bf16(const float (&acc)[NACC], __nv_bfloat16 *c,
+                                               epi_coords_t e) {
+  const bool r0 = e.row < e.row_end, r1 = e.row + 8 < e.row_end;
+  __nv_bfloat16 *p0 = c + e.row * e.ldc;
+  __nv_bfloat16 *p1 = p0 + 8 * e.ldc;
+#pragma unroll
+  for (int j = 0; j < NACC / 4; j++) {
+    const int col = e.col + 8 * j;
+    if (col < e.n) {
+      if (r0) *(__nv_bfloat162 *)(p0 + col) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+      if (r1) *(__nv_bfloat162 *)(p1 + col) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+}
+
+// c fp32 = acc (ACCUM = false) or c += acc (ACCUM = true). One writer per element: deterministic.
+template <int NACC, bool ACCUM>
+__device__ __forceinline__ void epi_store_f32(const float (&acc)[NACC], float *c, epi_coords_t e) {
+  const bool r0 = e.row < e.row_end, r1 = e.row + 8 < e.row_end;
+  float *p0 = c + e.row * e.ldc;
+  float *p1 = p0 + 8 * e.ldc;
+#pragma unroll
+  for (int j = 0; j < NACC / 4; j++) {
+    const int col = e.col + 8 * j;
+    if (col < e.n) {
+      float2 v0 = make_float2(acc[4 * j], acc[4 * j + 1]);
+      float2 v1 = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+      if (ACCUM) {
+        if (r0) {
+          float2 o = *(float2 *)(p0 + col);
+          v0.x += o.x;
+          v0.y += o.y;
+        }
+        if (r1) {
+          float2 o = *(float2 *)(p1 + col);
+          v1.x += o.x;
+          v1.y += o.y;
+        }
+      }
+      if (r0) *(float2 *)(p0 + col) = v0;
+      if (r1) *(float2 *)(p1 + col) = v1;
+    }
+  }
+}
+
+// SwiGLU (DESIGN.md section 2): the accumulator holds g in columns [0, N/2) and u in [N/2, N) of
+// the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u, plus optional bf16 g
+// and u. w: this thread's router weights (epi_row_scales).
+template <int NACC>
+__device__ __forceinline__ void epi_store_swiglu(const float (&acc)[NACC], __nv_bfloat16 *a_out,
+                                                 __nv_bfloat16 *g_out, __nv_bfloat16 *u_out,
+                                                 float2 w, epi_coords_t e) {
+  constexpr int HALF = NACC / 8;  // column chunks per half
+  const bool r0 = e.row < e.row_end, r1 = e.row + 8 < e.row_end;
+  const float w0 = w.x, w1 = w.y;
+  const int64_t o0 = e.row * e.ldc, o1 = o0 + 8 * e.ldc;
+#pragma unroll
+  for (int j = 0; j < HALF; j++) {
+    const int col = e.col + 8 * j;
+    if (col < e.n) {
+      const float g00 = acc[4 * j], g01 = acc[4 * j + 1], g10 = acc[4 * j + 2], g11 = acc[4 * j + 3];
+      const int ju = j + HALF;
+      const float u00 = acc[4 * ju], u01 = acc[4 * ju + 1], u10 = acc[4 * ju + 2],
+                  u11 = acc[4 * ju + 3];
+      if (r0) {
+        *(__nv_bfloat162 *)(a_out + o0 + col) = __floats2bfloat162_rn(
+            w0 * epi_silu(g00) * u00, w0 * epi_silu(g01) * u01);
+        if (g_out) *(__nv_bfloat162 *)(g_out + o0 + col) = __floats2bfloat162_rn(g00, g01);
+        if (u_out) *(__nv_bfloat162 *)(u_out + o0 + col) = __floats2bfloat162_rn(u00, u01);
+      }
+      if (r1) {
+        *(__nv_bfloat162 *)(a_out + o1 + col) = __floats2bfloat162_rn(
+            w1 * epi_silu(g10) * u10, w1 * epi_silu(g11) * u11);
+        if (g_out) *(__nv_bfloat162 *)(g_out + o1 + col) = __floats2bfloat162_rn(g10, g11);
+        if (u_out) *(__nv_bfloat162 *)(u_out + o1 + col) = __floats2bfloat162_rn(u10, u11);
+      }
+    }
+  }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Staged stores: registers -> swizzled shared memory -> TMA bulk store                           */
+/* ---------------------------------------------------------------------------------------------- */
+// A warpgroup whose 64 rows all belong to the group writes its bf16 [64, NCOLS] piece into a
+// staging area laid out as NCOLS / 64 chunks of [64 rows, 128 B] with the 128-byte swizzle (the
+// layout a TMA map with CU_TENSOR_MAP_SWIZZLE_128B and box [64, 64] reads), then one thread issues
+// the bulk stores and goes on: the stores drain while the warpgroup runs the next tile's MMA.
+// With the swizzle, the 32 lanes of a warp (8 rows x 4 words of one 16-byte unit) hit 32
+// different banks. Columns at or past N are skipped by the TMA unit (tensor bounds).
+
+__device__ __forceinline__ uint32_t epi_pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *(uint32_t *)&v;
+}
+
+__device__ __forceinline__ void epi_st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Shared address of this thread's first pair in the staging area: row rr0 = 16 warp + lane / 4,
+// byte 4 (lane % 4) of a 16-byte unit. The pair of column chunk j (8 columns) and row rr0 + 8h
+// then sits at epi_stage_addr(base, j) + 1024 h: unit j % 8 of row rr0 is swizzled to
+// (j % 8) ^ (rr0 % 8), and since base has zeros in bits 4-6 that is one XOR with a constant.
+__device__ __forceinline__ uint32_t epi_stage_base(const uint8_t *stage) {
+  const int t = threadIdx.x & 127, rr0 = 16 * (t / 32) + (t & 31) / 4;
+  return ptx_smem_addr(stage) + rr0 * 128 + ((rr0 & 7) << 4) + 4 * (t & 3);
+}
+__device__ __forceinline__ uint32_t epi_stage_addr(uint32_t base, int j) {
+  return (base ^ (uint32_t)((j & 7) << 4)) + (uint32_t)((j >> 3) * 8192);
+}
+
+// Column chunks [J0, J0 + NJ) of the fragment (8 columns each) -> staging, bf16.
+template <int NACC, int J0, int NJ>
+__device__ __forceinline__ void epi_stage_bf16(const float (&acc)[NACC], const uint8_t *stage) {
+  static_assert(J0 >= 0 && NJ > 0 && J0 + NJ <= NACC / 4, "chunk range");
+  const uint32_t base = epi_stage_base(stage);
+#pragma unroll
+  for (int j = J0; j < J0 + NJ; j++) {
+    const uint32_t addr = epi_stage_addr(base, j - J0);
+    epi_st_shared_u32(addr, epi_pack_bf16x2(acc[4 * j], acc[4 * j + 1]));
+    epi_st_shared_u32(addr + 1024, epi_pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+  }
+}
+
+// SwiGLU into staging: a = bf16(w · silu(g) · u); g in chunks [0, NACC/8), u in [NACC/8, NACC/4).
+// All 64 rows of the warpgroup are in the group here.
+template <int NACC>
+__device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const uint8_t *stage,
+                                                 float2 w) {
+  constexpr int HALF = NACC / 8;
+  const uint32_t base = epi_stage_base(stage);
+  const float w0 = w.x, w1 = w.y;
+#pragma unroll
+  for (int j = 0; j < HALF; j++) {
+    const int ju = j + HALF;
+    const uint32_t addr = epi_stage_addr(base, j);
+    epi_st_shared_u32(addr, epi_pack_bf16x2(w0 * epi_silu(acc[4 * j]) * acc[4 * ju],
+                                            w0 * epi_silu(acc[4 * j + 1]) * acc[4 * ju + 1]));
+    epi_st_shared_u32(addr + 1024, epi_pack_bf16x2(w1 * epi_silu(acc[4 * j + 2]) * acc[4 * ju + 2],
+                                                   w1 * epi_silu(acc[4 * j + 3]) * acc[4 * ju + 3]));
+  }
+}
+
+#endif /* MOK_CUDA_GEMM_EPILOGUE_CUH */

@@ -1,0 +1,251 @@
+/*
+ * tile_pipeline.cuh: the warp-specialized tile pipeline of the Hopper tile engine.
+ *
+ * One CTA = one producer warpgroup + two consumer warpgroups (384 threads). The producer (one
+ * thread) fills a ring of STAGES shared-memory stages with TMA; each stage holds one K block of
+ * the A tile [BM rows x 128 bytes] and the B tile [BN rows x 128 bytes] (64 bf16 or 128 e4m3 of
+ * the reduction per row), both K-major with the 128-byte swizzle. Consumer warpgroup w issues
+ * wgmma for rows [64w, 64w + 64) of the tile against all BN columns, keeping one wgmma group in
+ * flight, and frees a stage as soon as the wgmmas that read it have completed.
+ *
+ * Ring protocol (per stage s, phases alternate 0/1):
+ *   full[s]  : 1 arrival (producer's arrive.expect_tx) + the TMA bytes  -> consumers may read
+ *   empty[s] : 8 x CLUSTER arrivals (lane 0 of each consumer warp of each CTA of the cluster)
+ *                                                                       -> producer may refill
+ * The producer starts waiting on empty with parity 1, which a fresh barrier satisfies at once.
+ *
+ * With CLUSTER = 2 the two CTAs of a cluster compute row tiles r0 and r0 + BM against the same B
+ * tile: CTA rank r loads B rows [128 r, 128 r + 128) of the stage once and multicasts them into
+ * both CTAs, which halves the L2-to-SM traffic of B. Since each producer writes into its peer's
+ * stage, a stage is free only when the consumers of both CTAs have released it: they arrive on
+ * the empty barrier of both. Each CTA's full barrier still expects the whole stage (its own A,
+ * both B halves); a peer's bytes may land before the local expect_tx, which the barrier allows.
+ *
+ * The ring position is carried across tiles, so the producer runs ahead into the next tile while
+ * consumers finish the epilogue of the current one.
+ */
+#ifndef MOK_CUDA_TILE_PIPELINE_CUH
+#define MOK_CUDA_TILE_PIPELINE_CUH
+
+#include <stdint.h>
+
+#include "cuda/ptx.cuh"
+#include "cuda/tile_scheduler.cuh"
+
+#define MOK_TP_THREADS 384        // producer warpgroup + 2 consumer warpgroups
+#define MOK_TP_CONSUMER_WARPS 8
+#define MOK_TP_ROW_BYTES 128      // one K block per operand row: 64 bf16 or 128 e4m3
+
+// Shared-memory plan of a CTA; all offsets from a 1024-byte-aligned base. C_BYTES is the output
+// staging area of the epilogue (0 when it stores straight from registers).
+template <int BM, int BN, int STAGES, int C_BYTES>
+struct tp_plan {
+  static constexpr int A_BYTES = BM * MOK_TP_ROW_BYTES;  // A stage tile [BM, 128 B]
+  static constexpr int B_BYTES = BN * MOK_TP_ROW_BYTES;  // B stage tile [BN, 128 B]
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int C_OFFSET = STAGES * STAGE_BYTES;
+  static constexpr int FULL_OFFSET = C_OFFSET + C_BYTES;
+  static constexpr int EMPTY_OFFSET = FULL_OFFSET + STAGES * 8;
+  static constexpr int BYTES = EMPTY_OFFSET + STAGES * 8;
+  static constexpr int ALLOC_BYTES = BYTES + 1024;  // slack to align the dynamic base
+
+  static_assert(BM == 128, "two consumer warpgroups of 64 rows each");
+  static_assert(BN % 128 == 0 && BN <= 256, "B is loaded as 128-row TMA boxes; wgmma N <= 256");
+  static_assert(A_BYTES % 1024 == 0 && B_BYTES % 1024 == 0 && C_BYTES % 1024 == 0,
+                "128B swizzle needs 1024-byte aligned tiles");
+  static_assert(ALLOC_BYTES <= 227 * 1024, "over the 227 KB of shared memory of an sm_90 CTA");
+};
+
+typedef struct {
+  int stage;
+  uint32_t phase;
+} tp_ring_t;
+
+template <int STAGES>
+__device__ __forceinline__ void tp_ring_advance(tp_ring_t *r) {
+  if (++r->stage == STAGES) {
+    r->stage = 0;
+    r->phase ^= 1u;
+  }
+}
+
+// One thread: initializes the barriers. The caller syncs the CTA afterwards.
+template <int STAGES, int CLUSTER>
+__device__ __forceinline__ void tp_init_barriers(uint64_t *full, uint64_t *empty) {
+  for (int s = 0; s < STAGES; s++) {
+    ptx_mbar_init(&full[s], 1);
+    ptx_mbar_init(&empty[s], MOK_TP_CONSUMER_WARPS * CLUSTER);
+  }
+  ptx_fence_mbarrier_init();
+}
+
+// Where the B tile's two 128-row halves come from: rows [0, 128) from (map_lo, row_lo) and rows
+// [128, 256) from (map_hi, row_hi). A plain GEMM reads both halves from B; SwiGLU reads the gate
+// half from Wg and the up half from Wu, so g and u of the same columns land in one accumulator.
+typedef struct {
+  const CUtensorMap *map_lo, *map_hi;
+  int row_lo, row_hi;
+} tp_b_source_t;
+
+// B stored N-major ([G, K, N] as a [G K, N] map with box [64 k-rows, 64 n]): the stage's B tile
+// is 4 chunks of 64 columns, chunk c = [64 k][128 B] at c x 8 KB; loads at (n0 + 64 c, k_row).
+typedef struct {
+  const CUtensorMap *map;
+  int k_row0;  // g K: first row of group g in the [G K, N] view
+  int n0;
+} tp_b_nmajor_t;
+
+// Producer, one thread: loads the k_blocks stages of one tile. rank: this CTA's rank in the
+// cluster (CLUSTER = 2: it loads and multicasts B half `rank` only).
+template <int BM, int BN, int STAGES, int C_BYTES, int CLUSTER>
+__device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
+                                                uint64_t *empty, const CUtensorMap *map_a,
+                                                int a_row, tp_b_source_t b, int k_blocks,
+                                                int k_elems_per_block, int rank) {
+  typedef tp_plan<BM, BN, STAGES, C_BYTES> P;
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "a cluster of 2 splits B in halves");
+  for (int kb = 0; kb < k_blocks; kb++) {
+    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+    uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES;
+    uint8_t *b_tile = a_tile + P::A_BYTES;
+    uint64_t *bar = &full[ring->stage];
+    const int kx = kb * k_elems_per_block;
+    ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES);
+    ptx_tma_load_2d(a_tile, map_a, bar, kx, a_row);
+    if (CLUSTER == 2) {
+      ptx_tma_load_2d_multicast(b_tile + rank * 128 * MOK_TP_ROW_BYTES, rank ? b.map_hi : b.map_lo,
+                                bar, kx, rank ? b.row_hi : b.row_lo, (uint16_t)3);
+    } else {
+      ptx_tma_load_2d(b_tile, b.map_lo, bar, kx, b.row_lo);
+      if (BN == 256) ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, b.map_hi, bar, kx, b.row_hi);
+    }
+    tp_ring_advance<STAGES>(ring);
+  }
+}
+
+// Producer, one thread, B N-major (no clusters): one tile's k_blocks stages.
+template <int BM, int BN, int STAGES, int C_BYTES>
+__device__ __forceinline__ void tp_produce_tile_bn(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
+                                                   uint64_t *empty, const CUtensorMap *map_a,
+                                                   int a_row, tp_b_nmajor_t b, int k_blocks) {
+  typedef tp_plan<BM, BN, STAGES, C_BYTES> P;
+  static_assert(BN % 64 == 0, "64-column chunks");
+  for (int kb = 0; kb < k_blocks; kb++) {
+    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+    uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES;
+    uint8_t *b_tile = a_tile + P::A_BYTES;
+    uint64_t *bar = &full[ring->stage];
+    ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES);
+    ptx_tma_load_2d(a_tile, map_a, bar, kb * 64, a_row);
+#pragma unroll
+    for (int c = 0; c < BN / 64; c++)
+      ptx_tma_load_2d(b_tile + c * 64 * MOK_TP_ROW_BYTES, b.map, bar, b.n0 + 64 * c,
+                      b.k_row0 + kb * 64);
+    tp_ring_advance<STAGES>(ring);
+  }
+}
+
+// A consumer warp is done with a stage: tell the producer of every CTA that writes into it.
+template <int CLUSTER>
+__device__ __forceinline__ void tp_release(uint64_t *empty_bar) {
+  if (CLUSTER == 1) {
+    ptx_mbar_arrive(empty_bar);
+  } else {
+    ptx_mbar_arrive_cluster(empty_bar, 0);
+    ptx_mbar_arrive_cluster(empty_bar, 1);
+  }
+}
+
+// Consumer warpgroup `wg` (0 or 1): acc[64 rows, 256 cols] = A[64wg + (0..63)] · B[0..255]ᵀ over
+// k_blocks stages, bf16 operands. acc is in wgmma's fragment layout (see gemm_epilogue.cuh).
+template <int BM, int STAGES, int C_BYTES, int CLUSTER, int B_NMAJOR>
+__device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8_t *smem,
+                                                          uint64_t *full, uint64_t *empty,
+                                                          int k_blocks, int wg, float (&acc)[128]) {
+  typedef tp_plan<BM, 256, STAGES, C_BYTES> P;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < 128; i++) ptx_fence_operand(acc[i]);
+  int prev_stage = -1;
+  for (int kb = 0; kb < k_blocks; kb++) {
+    ptx_mbar_wait(&full[ring->stage], ring->phase);
+    uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES + wg * 64 * MOK_TP_ROW_BYTES;
+    uint8_t *b_tile = smem + ring->stage * P::STAGE_BYTES + P::A_BYTES;
+    const uint64_t da = ptx_desc_kmajor_sw128(a_tile);
+    const uint64_t db = B_NMAJOR ? ptx_desc_mnmajor_sw128(b_tile, 64 * MOK_TP_ROW_BYTES)
+                                 : ptx_desc_kmajor_sw128(b_tile);
+    ptx_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+      // A (and K-major B): k16 step = 32 bytes along the swizzled 128-byte row = +2 in the
+      // descriptor's address field. N-major B: k16 step = 16 rows of 128 bytes = +128.
+      ptx_wgmma_m64n256k16_bf16<B_NMAJOR>(acc, da + 2 * kk, db + (B_NMAJOR ? 128 : 2) * kk,
+                                          (kb | kk) != 0);
+    }
+    ptx_wgmma_commit_group();
+    // The group issued one block earlier has now completed: its stage can be refilled.
+    ptx_wgmma_wait_group<1>();
+    if (prev_stage >= 0 && lane == 0) tp_release<CLUSTER>(&empty[prev_stage]);
+    prev_stage = ring->stage;
+    tp_ring_advance<STAGES>(ring);
+  }
+  ptx_wgmma_wait_group<0>();
+  if (prev_stage >= 0 && lane == 0) tp_release<CLUSTER>(&empty[prev_stage]);
+#pragma unroll
+  for (int i = 0; i < 128; i++) ptx_fence_operand(acc[i]);
+}
+
+// Scales of the fp8-block mainloop for one consumer thread (DESIGN.md section 2, fp8-block).
+typedef struct {
+  const float *a0, *a1;  // a_scale rows of this thread's two accumulator rows: [K/128] each
+  const float *b;        // b_scale [K/128] of the tile's 128-column block of group g
+} tp_fp8_scales_t;
+
+// Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
+// e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into `part`), promoted into the
+// fp32 `total` on CUDA cores after every stage: the tensor cores' fp8 accumulator keeps too few
+// bits to run over all of K. The stage is released as soon as its wgmmas are complete; the other
+// consumer warpgroup keeps the tensor cores busy during the promotion.
+template <int BM, int STAGES, int C_BYTES>
+__device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
+                                                         uint64_t *full, uint64_t *empty,
+                                                         int k_blocks, int wg, tp_fp8_scales_t sc,
+                                                         float (&total)[64]) {
+  typedef tp_plan<BM, 128, STAGES, C_BYTES> P;
+  const int lane = threadIdx.x & 31;
+  float part[64];
+#pragma unroll
+  for (int i = 0; i < 64; i++) total[i] = 0.0f;
+  for (int kb = 0; kb < k_blocks; kb++) {
+    const float sb = sc.b[kb];  // loads issued before the barrier wait hide behind it
+    const float s0 = sc.a0[kb] * sb, s1 = sc.a1[kb] * sb;
+    ptx_mbar_wait(&full[ring->stage], ring->phase);
+    uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES + wg * 64 * MOK_TP_ROW_BYTES;
+    uint8_t *b_tile = smem + ring->stage * P::STAGE_BYTES + P::A_BYTES;
+    const uint64_t da = ptx_desc_kmajor_sw128(a_tile);
+    const uint64_t db = ptx_desc_kmajor_sw128(b_tile);
+#pragma unroll
+    for (int i = 0; i < 64; i++) ptx_fence_operand(part[i]);
+    ptx_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+      // k32 step of e4m3 = 32 bytes along the swizzled row = +2 in the descriptor's address
+      ptx_wgmma_m64n128k32_e4m3(part, da + 2 * kk, db + 2 * kk, kk != 0);
+    }
+    ptx_wgmma_commit_group();
+    ptx_wgmma_wait_group<0>();
+#pragma unroll
+    for (int i = 0; i < 64; i++) ptx_fence_operand(part[i]);
+    if (lane == 0) ptx_mbar_arrive(&empty[ring->stage]);
+    tp_ring_advance<STAGES>(ring);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {  // acc[4j + e]: row +8 when e >= 2 (gemm_epilogue.cuh)
+      total[4 * j] += part[4 * j] * s0;
+      total[4 * j + 1] += part[4 * j + 1] * s0;
+      total[4 * j + 2] += part[4 * j + 2] * s1;
+      total[4 * j + 3] += part[4 * j + 3] * s1;
+    }
+  }
+}
+
+#endif /* MOK_CUDA_TILE_PIPELINE_CUH */

@@ -1,0 +1,114 @@
+/*
+ * gemm_test_util.h: helpers shared by the grouped-GEMM tests (test_gemm.cu, test_gemm_fp8.cu):
+ * bf16 conversion, a deterministic RNG, device copies, ragged problems, and the loop over the
+ * launcher's kernel configurations. Header-only, static: each test file gets its own copy.
+ */
+#ifndef MOK_TESTS_GPU_GEMM_TEST_UTIL_H
+#define MOK_TESTS_GPU_GEMM_TEST_UTIL_H
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vector>
+
+#include "../test.h"
+#include "cuda/launch.h"
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Helpers                                                                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+static inline int gpu_present(void) {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+static inline uint16_t f2bf(float f) {  // round to nearest even (inputs here are finite)
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline float bf2f(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static inline float rnd_unit(void) {  // uniform in [-1, 1)
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return (float)((g_rng >> 40) * (1.0 / 8388608.0)) - 1.0f;
+}
+static inline void fill_bf16(std::vector<uint16_t> &v, float scale) {
+  for (size_t i = 0; i < v.size(); i++) v[i] = f2bf(scale * rnd_unit());
+}
+
+// Device copy of a host vector; returns NULL on failure.
+template <class T>
+static T *to_dev(const std::vector<T> &h) {
+  T *d = NULL;
+  if (cudaMalloc(&d, h.size() * sizeof(T) + 16) != cudaSuccess) return NULL;
+  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+static inline double silu(double g) { return g / (1.0 + exp(-g)); }
+
+// A problem: groups over the rows of A, with rows before, between (none) and after the groups.
+typedef struct {
+  int G, M, N, K;
+  std::vector<int64_t> offs;  // [G + 1]
+} problem_t;
+
+static inline problem_t make_problem(int N, int K, const std::vector<int> &counts, int lead, int tail) {
+  problem_t pr;
+  pr.G = (int)counts.size();
+  pr.N = N;
+  pr.K = K;
+  pr.offs.resize(pr.G + 1);
+  pr.offs[0] = lead;
+  for (int g = 0; g < pr.G; g++) pr.offs[g + 1] = pr.offs[g] + counts[g];
+  pr.M = (int)pr.offs[pr.G] + tail;
+  return pr;
+}
+
+static inline int group_of_row(const problem_t &pr, int r) {
+  for (int g = 0; g < pr.G; g++)
+    if (r >= pr.offs[g] && r < pr.offs[g + 1]) return g;
+  return -1;
+}
+
+// Runs `body` in each kernel configuration of the launcher's table: staged (TMA-store) epilogue
+// with 2-CTA clusters sharing B (MOK_GG_CLUSTER=2), staged without clusters (the default), direct
+// stores (MOK_GG_TMA_STORE=0), staged with 4 stages and 32 KB of staging (MOK_GG_STAGES=4).
+enum { GEMM_MODES = 4 };
+static inline void set_gemm_mode(int mode) {
+  setenv("MOK_GG_TMA_STORE", mode == 2 ? "0" : "1", 1);
+  setenv("MOK_GG_CLUSTER", mode == 0 ? "2" : "1", 1);
+  setenv("MOK_GG_STAGES", mode == 3 ? "4" : "3", 1);
+}
+static inline void clear_gemm_mode(void) {
+  unsetenv("MOK_GG_TMA_STORE");
+  unsetenv("MOK_GG_CLUSTER");
+  unsetenv("MOK_GG_STAGES");
+}
+static inline const char *gemm_mode_name(int mode) {
+  return mode == 0 ? "staged+cluster" : mode == 1 ? "staged" : mode == 2 ? "direct" : "staged-4";
+}
+#define FOR_BOTH_STORE_MODES(body)                                                              \
+  do {                                                                                          \
+    for (int mode_ = 0; mode_ < GEMM_MODES; mode_++) {                                          \
+      set_gemm_mode(mode_);                                                                     \
+      body;                                                                                     \
+    }                                                                                           \
+    clear_gemm_mode();                                                                          \
+  } while (0)
+
+#endif /* MOK_TESTS_GPU_GEMM_TEST_UTIL_H */

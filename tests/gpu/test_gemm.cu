@@ -1,0 +1,469 @@
+/*
+ * test_gemm.cu: tests of the persistent grouped GEMM (src/cuda/grouped_gemm.cu).
+ *
+ * Small shapes against a CPU reference written here (fp64 sums of the bf16 operands), large ones
+ * against cuBLAS (cublasGemmEx per group, fp32 accumulation); every epilogue; ragged, empty and
+ * unused rows; bitwise equality run to run; the launcher's error codes (those run without a GPU).
+ *
+ * Tolerance, bf16 outputs: |gpu - ref| <= atol + 2^-7 |ref| (one bf16 rounding of the result plus
+ * fp32 accumulation-order noise, which atol = 1e-3 * sqrt(K) * scale covers for unit-scale
+ * operands). fp32 outputs: |gpu - ref| <= 1e-4 * sqrt(K) + 1e-5 |ref| (order of fp32 sums only).
+ * Outputs are poisoned with 0xFF bytes (a NaN in bf16 and fp32) before each run; rows that belong
+ * to no group must still hold the poison afterwards.
+ */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vector>
+
+#include "gemm_test_util.h"
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Launcher validation (no GPU needed)                                                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+MOK_TEST(gemm_launcher_rejects_bad_arguments) {
+  char buf[64] __attribute__((aligned(16)));
+  void *ok = buf;
+  mok_grouped_gemm_params_t base;
+  memset(&base, 0, sizeof(base));
+  base.dtype = MOK_GG_BF16;
+  base.b_layout = MOK_GG_B_KMAJOR;
+  base.epilogue = MOK_GG_EPI_STORE_BF16;
+  base.num_groups = 4;
+  base.m_total = 256;
+  base.n = 128;
+  base.k = 128;
+  base.a = base.b = base.offsets = ok;
+  base.c = ok;
+
+  mok_grouped_gemm_params_t p;
+  MOK_EXPECT(mok_grouped_gemm_launch(NULL, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.a = NULL;        MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.c = NULL;        MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.offsets = NULL;  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.epilogue = MOK_GG_EPI_SWIGLU;  // no b2
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.k = 100;         MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.k = 0;           MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.n = 12;          MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.num_groups = 0;  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.num_groups = 3000000;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.m_total = -1;    MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.a = buf + 8;     MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  p = base; p.c = buf + 2;     MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  p = base; p.offsets_int64 = 1; p.offsets = buf + 4;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  p = base; p.epilogue = (mok_gg_epilogue_t)9;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_VALUE);
+  p = base; p.dtype = (mok_gg_dtype_t)7;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_VALUE);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK;  // no scales
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  const float *fs = (const float *)ok;
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.n = 136;  // N % 128
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.k = 192;  // K % 128
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = fs; p.b_scale = (const float *)(buf + 2);
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs;
+  p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.b_layout = MOK_GG_B_NMAJOR;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k = 72;  // N-major B needs K % 64 == 0
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.b_layout = MOK_GG_B_NMAJOR; p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  p = base; p.m_total = 0;  // nothing to do: succeeds without touching the device
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Small shapes against the CPU reference                                                          */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Runs one epilogue on `pr` and checks it against fp64 sums on the host. Returns failures seen.
+static void check_small(const problem_t &pr, mok_gg_epilogue_t epi, int offsets_int64,
+                        int with_gu = 1, int nmajor = 0) {
+  const int G = pr.G, M = pr.M, N = pr.N, K = pr.K;
+  const int swiglu = epi == MOK_GG_EPI_SWIGLU;
+  std::vector<uint16_t> a((size_t)M * K), b((size_t)G * N * K), b2(swiglu ? (size_t)G * N * K : 1);
+  std::vector<float> w(M);
+  fill_bf16(a, 1.0f);
+  fill_bf16(b, 1.0f);
+  if (swiglu) fill_bf16(b2, 1.0f);
+  for (int r = 0; r < M; r++) w[r] = 0.5f + 0.5f * rnd_unit();
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+
+  const int out_f32 = epi == MOK_GG_EPI_STORE_F32 || epi == MOK_GG_EPI_ACCUM_F32;
+  const size_t esz = out_f32 ? 4 : 2, cbytes = (size_t)M * N * esz;
+  std::vector<float> c_init((size_t)M * N);
+  for (size_t i = 0; i < c_init.size(); i++) c_init[i] = rnd_unit();
+
+  uint16_t *da = to_dev(a), *db = to_dev(b), *db2 = swiglu ? to_dev(b2) : NULL;
+  float *dw = to_dev(w), *dinit = to_dev(c_init);
+  void *doffs = offsets_int64 ? (void *)to_dev(pr.offs) : (void *)to_dev(offs32);
+  void *dc = NULL, *dg = NULL, *du = NULL;
+  cudaMalloc(&dc, cbytes + 16);
+  cudaMalloc(&dg, (size_t)M * N * 2 + 16);
+  cudaMalloc(&du, (size_t)M * N * 2 + 16);
+  MOK_REQUIRE(da && db && dw && doffs && dc && dg && du && (!swiglu || db2));
+  cudaMemset(dc, 0xFF, cbytes);
+  cudaMemset(dg, 0xFF, (size_t)M * N * 2);
+  cudaMemset(du, 0xFF, (size_t)M * N * 2);
+  if (epi == MOK_GG_EPI_ACCUM_F32) cudaMemcpy(dc, dinit, cbytes, cudaMemcpyDeviceToDevice);
+
+  mok_grouped_gemm_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.dtype = MOK_GG_BF16;
+  p.b_layout = nmajor ? MOK_GG_B_NMAJOR : MOK_GG_B_KMAJOR;  // b holds [G, K, N] when N-major
+  p.epilogue = epi;
+  p.offsets_int64 = offsets_int64;
+  p.num_groups = G;
+  p.m_total = M;
+  p.n = N;
+  p.k = K;
+  p.a = da;
+  p.b = db;
+  p.b2 = db2;
+  p.offsets = doffs;
+  p.c = dc;
+  p.row_scale = dw;
+  p.g_out = swiglu && with_gu ? dg : NULL;
+  p.u_out = swiglu && with_gu ? du : NULL;
+  p.num_sms = 7;  // few CTAs: each walks many tiles and groups
+  mokResult_t res = mok_grouped_gemm_launch(&p, NULL);
+  cudaError_t err = cudaDeviceSynchronize();
+  MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "launch %d, cuda %s", (int)res,
+                  cudaGetErrorString(err));
+
+  std::vector<uint8_t> c(cbytes);
+  std::vector<uint16_t> gh((size_t)M * N), uh((size_t)M * N);
+  cudaMemcpy(c.data(), dc, cbytes, cudaMemcpyDeviceToHost);
+  cudaMemcpy(gh.data(), dg, gh.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(uh.data(), du, uh.size() * 2, cudaMemcpyDeviceToHost);
+
+  int bad = 0;
+  double worst = 0;
+  const double atol_bf = 1e-3 * sqrt((double)K), atol_f32 = 1e-4 * sqrt((double)K);
+  for (int r = 0; r < M; r++) {
+    const int g = group_of_row(pr, r);
+    for (int n = 0; n < N; n++) {
+      const size_t i = (size_t)r * N + n;
+      if (g < 0) {  // no group: must keep the poison (or the initial value when accumulating)
+        int kept;
+        if (epi == MOK_GG_EPI_ACCUM_F32) kept = !memcmp(&c[i * 4], &c_init[i], 4);
+        else kept = out_f32 ? ((uint32_t *)c.data())[i] == 0xFFFFFFFFu
+                            : ((uint16_t *)c.data())[i] == 0xFFFF;
+        if (swiglu && with_gu) kept = kept && gh[i] == 0xFFFF && uh[i] == 0xFFFF;
+        if (!kept && bad++ < 5) mok_test_fail(__FILE__, __LINE__, "row %d (no group) written", r);
+        continue;
+      }
+      double s = 0, s2 = 0;
+      const uint16_t *ar = &a[(size_t)r * K];
+      for (int k = 0; k < K; k++) {
+        const size_t bi = nmajor ? ((size_t)g * K + k) * N + n : ((size_t)g * N + n) * K + k;
+        s += (double)bf2f(ar[k]) * bf2f(b[bi]);
+      }
+      if (swiglu) {
+        const uint16_t *ur = &b2[((size_t)g * N + n) * K];
+        for (int k = 0; k < K; k++) s2 += (double)bf2f(ar[k]) * bf2f(ur[k]);
+      }
+      double ref, got, tol;
+      if (epi == MOK_GG_EPI_STORE_BF16) {
+        ref = s;
+        got = bf2f(((uint16_t *)c.data())[i]);
+        tol = atol_bf + 0x1p-7 * fabs(ref);
+      } else if (out_f32) {
+        ref = s + (epi == MOK_GG_EPI_ACCUM_F32 ? c_init[i] : 0.0);
+        got = ((float *)c.data())[i];
+        tol = atol_f32 + 1e-5 * fabs(ref);
+      } else {
+        ref = w[r] * silu(s) * s2;
+        got = bf2f(((uint16_t *)c.data())[i]);
+        tol = atol_bf * (1 + fabs(s) + fabs(s2)) + 0x1p-7 * fabs(ref);
+        const double eg = fabs(bf2f(gh[i]) - s), eu = fabs(bf2f(uh[i]) - s2);
+        if (with_gu && (!(eg <= atol_bf + 0x1p-7 * fabs(s)) || !(eu <= atol_bf + 0x1p-7 * fabs(s2)))) {
+          if (bad++ < 5)
+            mok_test_fail(__FILE__, __LINE__, "g/u at (%d,%d): %g %g vs %g %g", r, n, bf2f(gh[i]),
+                          bf2f(uh[i]), s, s2);
+        }
+      }
+      const double e = fabs(got - ref);
+      if (e > worst) worst = e;
+      if (!(e <= tol) && bad++ < 5)
+        mok_test_fail(__FILE__, __LINE__, "epi %d at (%d,%d) group %d: got %g, ref %g", (int)epi,
+                      r, n, g, got, ref);
+    }
+  }
+  MOK_EXPECT_MSG(bad == 0, "epilogue %d (MOK_GG_TMA_STORE=%s MOK_GG_CLUSTER=%s): %d bad elements, worst error %g",
+                 (int)epi, getenv("MOK_GG_TMA_STORE") ? getenv("MOK_GG_TMA_STORE") : "-",
+                 getenv("MOK_GG_CLUSTER") ? getenv("MOK_GG_CLUSTER") : "-", bad, worst);
+  cudaFree(da); cudaFree(db); cudaFree(db2); cudaFree(dw); cudaFree(dinit); cudaFree(doffs);
+  cudaFree(dc); cudaFree(dg); cudaFree(du);
+}
+
+// Groups of 0, 1, 127, 128, 129, 300 rows, an empty last group, rows before and after the groups;
+// N = 384 (a full and a half column tile, whose B box runs into the next group), K = 200 (a K tail).
+static problem_t ragged_small(void) { return make_problem(384, 200, {0, 1, 127, 128, 129, 0, 300, 0}, 5, 37); }
+
+MOK_TEST(gemm_bf16_store_bf16_matches_cpu) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  FOR_BOTH_STORE_MODES(check_small(ragged_small(), MOK_GG_EPI_STORE_BF16, 0));
+}
+MOK_TEST(gemm_bf16_store_bf16_int64_offsets) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  FOR_BOTH_STORE_MODES(check_small(make_problem(256, 64, {64, 0, 200}, 0, 0), MOK_GG_EPI_STORE_BF16, 1));
+}
+MOK_TEST(gemm_bf16_store_f32_matches_cpu) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  check_small(ragged_small(), MOK_GG_EPI_STORE_F32, 0);
+}
+MOK_TEST(gemm_bf16_accum_f32_matches_cpu) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  check_small(ragged_small(), MOK_GG_EPI_ACCUM_F32, 1);
+}
+MOK_TEST(gemm_bf16_swiglu_matches_cpu) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  FOR_BOTH_STORE_MODES(check_small(make_problem(256, 192, {0, 3, 200, 128, 0, 77}, 9, 20), MOK_GG_EPI_SWIGLU, 0));
+}
+MOK_TEST(gemm_bf16_swiglu_without_gu_matches_cpu) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  FOR_BOTH_STORE_MODES(check_small(make_problem(384, 128, {0, 3, 200, 128, 0, 77, 64}, 9, 20), MOK_GG_EPI_SWIGLU, 1, 0));
+}
+MOK_TEST(gemm_bf16_nmajor_b_matches_cpu) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  problem_t pr = make_problem(384, 192, {0, 1, 127, 128, 129, 0, 300, 0}, 5, 37);
+  FOR_BOTH_STORE_MODES(check_small(pr, MOK_GG_EPI_STORE_BF16, 0, 1, 1));
+  check_small(pr, MOK_GG_EPI_STORE_F32, 0, 1, 1);
+  check_small(pr, MOK_GG_EPI_ACCUM_F32, 1, 1, 1);
+}
+
+MOK_TEST(gemm_bf16_all_groups_empty) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  check_small(make_problem(128, 64, {0, 0, 0}, 10, 50), MOK_GG_EPI_STORE_BF16, 0);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Large shapes against cuBLAS, and run-to-run determinism                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+// ref [M, N] fp32 (rows of no group untouched) = A_g · B_gᵀ per group through cublasGemmEx.
+static int cublas_grouped(cublasHandle_t h, const problem_t &pr, const uint16_t *da,
+                          const uint16_t *db, float *dref) {
+  const float one = 1.0f, zero = 0.0f;
+  for (int g = 0; g < pr.G; g++) {
+    const int m = (int)(pr.offs[g + 1] - pr.offs[g]);
+    if (m == 0) continue;
+    // column-major view: ref_gᵀ [N, m] = (B_g as [K, N])ᵀ · (A_g as [K, m])
+    cublasStatus_t st = cublasGemmEx(
+        h, CUBLAS_OP_T, CUBLAS_OP_N, pr.N, m, pr.K, &one, db + (size_t)g * pr.N * pr.K,
+        CUDA_R_16BF, pr.K, da + (size_t)pr.offs[g] * pr.K, CUDA_R_16BF, pr.K, &zero,
+        dref + (size_t)pr.offs[g] * pr.N, CUDA_R_32F, pr.N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) return 1;
+  }
+  return 0;
+}
+
+MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  // 16 experts, skewed: one takes ~40% of the rows, some are empty, sizes not multiples of 128.
+  problem_t pr = make_problem(1536, 2048, {5000, 0, 17, 1000, 2048, 513, 128, 255, 0, 1, 700,
+                                           1300, 64, 999, 333, 1},
+                              3, 100);
+  const int M = pr.M, N = pr.N, K = pr.K, G = pr.G;
+  std::vector<uint16_t> a((size_t)M * K), b((size_t)G * N * K), u((size_t)G * N * K);
+  fill_bf16(a, 1.0f);
+  fill_bf16(b, 0.05f);
+  fill_bf16(u, 0.05f);
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+  std::vector<float> w(M);
+  for (int r = 0; r < M; r++) w[r] = 0.5f + 0.5f * rnd_unit();
+  uint16_t *da = to_dev(a), *db = to_dev(b), *du = to_dev(u);
+  int32_t *doffs = to_dev(offs32);
+  float *dw = to_dev(w), *dref = NULL, *drefu = NULL;
+  uint16_t *dc = NULL, *dc2 = NULL;
+  cudaMalloc(&dref, (size_t)M * N * 4);
+  cudaMalloc(&drefu, (size_t)M * N * 4);
+  cudaMalloc(&dc, (size_t)M * N * 2);
+  cudaMalloc(&dc2, (size_t)M * N * 2);
+  MOK_REQUIRE(da && db && du && doffs && dw && dref && drefu && dc && dc2);
+  cublasHandle_t h;
+  MOK_REQUIRE(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
+  MOK_REQUIRE(cublas_grouped(h, pr, da, db, dref) == 0);
+  pr.N = N;
+  problem_t pu = pr;
+  MOK_REQUIRE(cublas_grouped(h, pu, da, du, drefu) == 0);
+
+  mok_grouped_gemm_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.dtype = MOK_GG_BF16;
+  p.epilogue = MOK_GG_EPI_STORE_BF16;
+  p.num_groups = G;
+  p.m_total = M;
+  p.n = N;
+  p.k = K;
+  p.a = da;
+  p.b = db;
+  p.offsets = doffs;
+  p.c = dc;
+  std::vector<uint16_t> c((size_t)M * N), c2((size_t)M * N), first_plain, first_swiglu;
+  std::vector<float> ref((size_t)M * N), refu((size_t)M * N);
+  cudaMemcpy(ref.data(), dref, ref.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(refu.data(), drefu, refu.size() * 4, cudaMemcpyDeviceToHost);
+
+  for (int epi_i = 0; epi_i < 2 * GEMM_MODES; epi_i++) {
+    const int swiglu = epi_i & 1;
+    set_gemm_mode(epi_i / 2);
+    p.epilogue = swiglu ? MOK_GG_EPI_SWIGLU : MOK_GG_EPI_STORE_BF16;
+    p.b2 = swiglu ? du : NULL;
+    p.row_scale = swiglu ? dw : NULL;
+    // run twice, each into poisoned memory; the two results must be bitwise equal
+    cudaMemset(dc, 0xFF, (size_t)M * N * 2);
+    cudaMemset(dc2, 0xFF, (size_t)M * N * 2);
+    p.c = dc;
+    mokResult_t r1 = mok_grouped_gemm_launch(&p, NULL);
+    p.c = dc2;
+    mokResult_t r2 = mok_grouped_gemm_launch(&p, NULL);
+    cudaError_t err = cudaDeviceSynchronize();
+    MOK_REQUIRE_MSG(r1 == MOK_SUCCESS && r2 == MOK_SUCCESS && err == cudaSuccess,
+                    "launch %d %d, cuda %s", (int)r1, (int)r2, cudaGetErrorString(err));
+    cudaMemcpy(c.data(), dc, c.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(c2.data(), dc2, c2.size() * 2, cudaMemcpyDeviceToHost);
+    MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), c.size() * 2) == 0,
+                   "epilogue %d (%s): two runs differ bitwise", (int)p.epilogue,
+                   gemm_mode_name(epi_i / 2));
+    if (epi_i >= 2) {  // every configuration gives the same bits (same K order, same roundings)
+      MOK_EXPECT_MSG(memcmp(c.data(), swiglu ? first_swiglu.data() : first_plain.data(),
+                            c.size() * 2) == 0,
+                     "epilogue %d: %s differs bitwise from staged+cluster", (int)p.epilogue,
+                     gemm_mode_name(epi_i / 2));
+    } else {
+      (swiglu ? first_swiglu : first_plain) = c;
+    }
+    int bad = 0;
+    double worst = 0, sum_e2 = 0, sum_r2 = 0;
+    for (int row = 0; row < M; row++) {
+      const int g = group_of_row(pr, row);
+      for (int n = 0; n < N; n++) {
+        const size_t i = (size_t)row * N + n;
+        if (g < 0) {
+          if (c[i] != 0xFFFF && bad++ < 5)
+            mok_test_fail(__FILE__, __LINE__, "row %d (no group) written", row);
+          continue;
+        }
+        const double gg = ref[i], uu = refu[i];
+        const double rv = swiglu ? w[row] * silu(gg) * uu : gg;
+        const double tol = 2e-3 * (swiglu ? 1 + fabs(gg) + fabs(uu) : 1.0) + 0x1p-7 * fabs(rv);
+        const double e = fabs(bf2f(c[i]) - rv);
+        sum_e2 += e * e;
+        sum_r2 += rv * rv;
+        if (e > worst) worst = e;
+        if (!(e <= tol) && bad++ < 5)
+          mok_test_fail(__FILE__, __LINE__, "epi %d (%d,%d): got %g, cuBLAS %g", (int)p.epilogue,
+                        row, n, bf2f(c[i]), rv);
+      }
+    }
+    printf("    epilogue %d (%s stores) vs cuBLAS: worst |err| %.3g, relative L2 %.3g\n",
+           (int)p.epilogue, gemm_mode_name(epi_i / 2), worst, sqrt(sum_e2 / (sum_r2 + 1e-30)));
+    MOK_EXPECT_MSG(bad == 0, "epilogue %d: %d bad elements", (int)p.epilogue, bad);
+  }
+  clear_gemm_mode();
+  cublasDestroy(h);
+  cudaFree(da); cudaFree(db); cudaFree(du); cudaFree(doffs); cudaFree(dw);
+  cudaFree(dref); cudaFree(drefu); cudaFree(dc); cudaFree(dc2);
+}
+
+// B N-major ([G, K, N], what backward reads: dy·Wd with Wd [E, H, I]) against cuBLAS.
+MOK_TEST(gemm_bf16_nmajor_large_matches_cublas) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  problem_t pr = make_problem(1280, 1536, {3000, 0, 17, 1000, 2048, 513, 128, 255, 1}, 7, 50);
+  const int M = pr.M, N = pr.N, K = pr.K, G = pr.G;
+  std::vector<uint16_t> a((size_t)M * K), b((size_t)G * K * N);  // b [G, K, N]
+  fill_bf16(a, 1.0f);
+  fill_bf16(b, 0.05f);
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+  uint16_t *da = to_dev(a), *db = to_dev(b), *dc = NULL, *dc2 = NULL;
+  int32_t *doffs = to_dev(offs32);
+  float *dref = NULL;
+  cudaMalloc(&dref, (size_t)M * N * 4);
+  cudaMalloc(&dc, (size_t)M * N * 2);
+  cudaMalloc(&dc2, (size_t)M * N * 2);
+  MOK_REQUIRE(da && db && doffs && dref && dc && dc2);
+  cublasHandle_t h;
+  MOK_REQUIRE(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
+  const float one = 1.0f, zero = 0.0f;
+  for (int g = 0; g < G; g++) {
+    const int m = (int)(pr.offs[g + 1] - pr.offs[g]);
+    if (m == 0) continue;
+    // column-major: refᵀ [N, m] = (B_g as [N, K], ld N) · (A_g as [K, m], ld K)
+    MOK_REQUIRE(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, m, K, &one,
+                             db + (size_t)g * K * N, CUDA_R_16BF, N,
+                             da + (size_t)pr.offs[g] * K, CUDA_R_16BF, K, &zero,
+                             dref + (size_t)pr.offs[g] * N, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
+  }
+  std::vector<float> ref((size_t)M * N);
+  cudaMemcpy(ref.data(), dref, ref.size() * 4, cudaMemcpyDeviceToHost);
+  mok_grouped_gemm_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.dtype = MOK_GG_BF16;
+  p.b_layout = MOK_GG_B_NMAJOR;
+  p.epilogue = MOK_GG_EPI_STORE_BF16;
+  p.num_groups = G;
+  p.m_total = M;
+  p.n = N;
+  p.k = K;
+  p.a = da;
+  p.b = db;
+  p.offsets = doffs;
+  std::vector<uint16_t> c((size_t)M * N), c2((size_t)M * N);
+  for (int mode = 1; mode < GEMM_MODES; mode++) {  // no clusters with N-major B
+    set_gemm_mode(mode);
+    cudaMemset(dc, 0xFF, (size_t)M * N * 2);
+    cudaMemset(dc2, 0xFF, (size_t)M * N * 2);
+    p.c = dc;
+    mokResult_t r1 = mok_grouped_gemm_launch(&p, NULL);
+    p.c = dc2;
+    mokResult_t r2 = mok_grouped_gemm_launch(&p, NULL);
+    cudaError_t err = cudaDeviceSynchronize();
+    MOK_REQUIRE_MSG(r1 == MOK_SUCCESS && r2 == MOK_SUCCESS && err == cudaSuccess,
+                    "launch %d %d, cuda %s", (int)r1, (int)r2, cudaGetErrorString(err));
+    cudaMemcpy(c.data(), dc, c.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(c2.data(), dc2, c2.size() * 2, cudaMemcpyDeviceToHost);
+    MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), c.size() * 2) == 0, "%s: runs differ bitwise",
+                   gemm_mode_name(mode));
+    int bad = 0;
+    double worst = 0;
+    for (int row = 0; row < M; row++) {
+      const int g = group_of_row(pr, row);
+      for (int n = 0; n < N; n++) {
+        const size_t i = (size_t)row * N + n;
+        if (g < 0) {
+          if (c[i] != 0xFFFF && bad++ < 5)
+            mok_test_fail(__FILE__, __LINE__, "row %d (no group) written", row);
+          continue;
+        }
+        const double e = fabs(bf2f(c[i]) - ref[i]);
+        if (e > worst) worst = e;
+        if (!(e <= 2e-3 + 0x1p-7 * fabs(ref[i])) && bad++ < 5)
+          mok_test_fail(__FILE__, __LINE__, "(%d,%d): got %g, cuBLAS %g", row, n, bf2f(c[i]),
+                        ref[i]);
+      }
+    }
+    printf("    N-major B (%s) vs cuBLAS: worst |err| %.3g\n", gemm_mode_name(mode), worst);
+    MOK_EXPECT_MSG(bad == 0, "%s: %d bad elements", gemm_mode_name(mode), bad);
+  }
+  clear_gemm_mode();
+  cublasDestroy(h);
+  cudaFree(da); cudaFree(db); cudaFree(doffs); cudaFree(dref); cudaFree(dc); cudaFree(dc2);
+}
+
