@@ -94,8 +94,11 @@ test: $(BUILD)/mok_tests check-spills
 run: $(BUILD)/mok_run
 	$(BUILD)/mok_run
 
+# Benchmarks on the GPUs present (torch needed for the baselines); results go to bench/results/.
 bench: all
-	python3 bench/run.py
+	NCCL_NVLS_ENABLE=0 python3 bench/gemm.py
+	@if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then NCCL_NVLS_ENABLE=0 python3 bench/transport.py; \
+	else echo "SKIP transport benchmark: needs 2 GPUs"; fi
 
 # Which NCCL the build uses (empty: none, the transport reports MOK_ERROR_NOT_AVAILABLE).
 nccl-info:
