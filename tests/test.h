@@ -12,6 +12,8 @@
 #ifndef MOK_TEST_H
 #define MOK_TEST_H
 
+#include <stdint.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -24,6 +26,15 @@ void mok_test_skip(const char *reason);
 #ifdef __cplusplus
 }
 #endif
+
+/* The tests' random numbers: xorshift64, fixed seeds, the same sequence on every machine. */
+static inline uint64_t xorshift64(uint64_t *s) {
+  uint64_t x = *s;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return *s = x;
+}
 
 #define MOK_TEST(name)                                                                  \
   static void name(void);                                                              \

@@ -11,14 +11,6 @@
 #include "cpu/layout.h"
 #include "test.h"
 
-static uint64_t xorshift64(uint64_t *s) {
-  uint64_t x = *s;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return *s = x;
-}
-
 /* ---- the property checker -------------------------------------------------------------------- */
 
 /* (s, t, k) < (s', t', k') lexicographically. */

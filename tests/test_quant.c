@@ -26,14 +26,6 @@ static float float_of(uint32_t u) {
   return f;
 }
 
-static uint64_t xorshift64(uint64_t *s) {
-  uint64_t x = *s;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return *s = x;
-}
-
 /* Uniform in [-1, 1) times 2^p with p uniform in [lo, hi]: values spanning many binades. */
 static float random_value(uint64_t *s, int lo, int hi) {
   double u = (double)(xorshift64(s) >> 11) * 0x1p-53 * 2.0 - 1.0;
