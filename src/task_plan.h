@@ -1,0 +1,133 @@
+/*
+ * task_plan.h: the global task order of the forward persistent kernel, and the counters and
+ * targets its tasks wait on. Plain C, compiled for host and device (MOK_HD), so the kernel, the
+ * host and the tests enumerate the same tasks in the same order.
+ *
+ * Tasks (W = 1; the expert-parallel kernel adds communication tasks in front of the same order):
+ *   SHARED_GATE_UP (m, n)  shared expert, token tile m, column tile n of gate and up -> as
+ *   GATE_UP     (e, m, n)  local expert e, row tile m of its rows, column tile n of gate and up
+ *                          (SwiGLU and the router weight in the epilogue) -> a
+ *   DOWN        (e, m, n)  expert e, row tile m, column tile n of H -> yk rows
+ *   SHARED_DOWN (m, n)     shared expert down -> ys
+ *   REDUCE      (b)        token block b: y = bf16(ys + yk(k=0) + ... + yk(K-1)), slot order
+ *
+ * The order: all SHARED_GATE_UP tiles (they need only x, so they fill the SMs while rows are
+ * gathered or dispatched), then for s = 0..E: GATE_UP tiles of expert s followed by DOWN tiles of
+ * expert s - 1 (one expert of lag, so a DOWN tile rarely waits), then SHARED_DOWN, then REDUCE.
+ * Within a (kind, expert) block tiles go row tile by row tile, column tiles inner.
+ *
+ * Dependencies, each a counter that producers add 1 to (release) and the consumer waits on
+ * (acquire) until it reaches its target:
+ *   DOWN(e, m, *)        gu_done[e, m]        target n_gu       (every GATE_UP(e, m, *))
+ *   SHARED_DOWN(m, *)    sgu_done[m]          target n_sgu      (every SHARED_GATE_UP(m, *))
+ *   REDUCE(b)            down_done[b]         target down_target[b]: each DOWN tile adds 1 for
+ *                                             every token block its rows touch (rows of an
+ *                                             expert are sorted by token, so those are runs)
+ *                        sd_done[b]           target n_sd (SHARED_DOWN(b, *); the reduce block
+ *                                             equals the shared token tile)
+ *   GATE_UP(e, m, *)     rows gathered by communication CTAs (or x read directly at W = 1).
+ *
+ * NOTE (deadlock freedom): every task waits only on tasks earlier in this order (or on
+ * communication tasks, which wait only on the layout). Compute CTAs are all resident and each
+ * takes its tasks in increasing order and finishes one before taking the next; then the earliest
+ * unfinished task always has all its dependencies finished or running, so it finishes, and by
+ * induction every task does, whatever the timing and whatever task -> CTA assignment is used
+ * (static striding or a ticket counter). tests/test_task_plan.c checks this by simulation with
+ * adversarial interleavings, and checks that an order violating it does deadlock there.
+ */
+#ifndef MOK_TASK_PLAN_H
+#define MOK_TASK_PLAN_H
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define MOK_HD __host__ __device__ __forceinline__
+#else
+#define MOK_HD static inline
+#endif
+
+typedef enum {
+  MOK_TASK_SHARED_GATE_UP = 0,
+  MOK_TASK_GATE_UP = 1,
+  MOK_TASK_DOWN = 2,
+  MOK_TASK_SHARED_DOWN = 3,
+  MOK_TASK_REDUCE = 4
+} mok_task_kind_t;
+
+typedef struct {
+  int32_t kind;   /* mok_task_kind_t */
+  int32_t expert; /* local expert (GATE_UP, DOWN); -1 otherwise */
+  int32_t m;      /* row tile within the expert, token tile (shared), or token block (REDUCE) */
+  int32_t n;      /* column tile; 0 for REDUCE */
+} mok_task_t;
+
+typedef struct {
+  int32_t E;              /* local experts */
+  int32_t n_gu;           /* column tiles of a GATE_UP task row: I / BN */
+  int32_t n_down;         /* column tiles of DOWN: H / BN */
+  int32_t n_sgu;          /* shared gate/up column tiles: Is / BN (0 without a shared expert) */
+  int32_t n_sd;           /* shared down column tiles: H / BN (0 without a shared expert) */
+  int32_t t_tiles;        /* token tiles = reduce blocks: ceil(T / BM) */
+  const int32_t *mt_pre;  /* [E + 1] prefix sums of row tiles per expert: ceil(rows_e / BM) */
+} mok_task_plan_t;
+
+/* Tasks before the first expert stage. */
+MOK_HD int64_t mok_plan_sgu_count(const mok_task_plan_t *p) {
+  return (int64_t)(p->n_sgu > 0 ? p->t_tiles : 0) * p->n_sgu;
+}
+
+/* First task of expert stage s in [0, E]: GATE_UP(s) then DOWN(s - 1). */
+MOK_HD int64_t mok_plan_stage_start(const mok_task_plan_t *p, int32_t s) {
+  return mok_plan_sgu_count(p) + (int64_t)p->mt_pre[s] * p->n_gu +
+         (int64_t)p->mt_pre[s > 0 ? s - 1 : 0] * p->n_down;
+}
+
+MOK_HD int64_t mok_plan_num_tasks(const mok_task_plan_t *p) {
+  const int64_t sd = (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd;
+  /* stage E holds only DOWN(E - 1): its start plus those tiles is the end of the expert stages */
+  const int64_t last_down = p->E > 0 ? (int64_t)(p->mt_pre[p->E] - p->mt_pre[p->E - 1]) * p->n_down : 0;
+  return mok_plan_stage_start(p, p->E) + last_down + sd + p->t_tiles;
+}
+
+/* Task number i (0 <= i < mok_plan_num_tasks) of the global order. */
+MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
+  mok_task_t t = {MOK_TASK_REDUCE, -1, 0, 0};
+  const int64_t sgu = mok_plan_sgu_count(p);
+  if (i < sgu) {
+    t.kind = MOK_TASK_SHARED_GATE_UP;
+    t.m = (int32_t)(i / p->n_sgu), t.n = (int32_t)(i % p->n_sgu);
+    return t;
+  }
+  const int64_t experts_end = mok_plan_num_tasks(p) - (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd - p->t_tiles;
+  if (i < experts_end) {
+    int32_t lo = 0, hi = p->E; /* the last stage s with stage_start(s) <= i */
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) / 2;
+      if (mok_plan_stage_start(p, mid) <= i) lo = mid;
+      else hi = mid - 1;
+    }
+    const int32_t s = lo;
+    int64_t r = i - mok_plan_stage_start(p, s);
+    const int64_t gu = s < p->E ? (int64_t)(p->mt_pre[s + 1] - p->mt_pre[s]) * p->n_gu : 0;
+    if (r < gu) {
+      t.kind = MOK_TASK_GATE_UP, t.expert = s;
+      t.m = (int32_t)(r / p->n_gu), t.n = (int32_t)(r % p->n_gu);
+    } else {
+      r -= gu;
+      t.kind = MOK_TASK_DOWN, t.expert = s - 1;
+      t.m = (int32_t)(r / p->n_down), t.n = (int32_t)(r % p->n_down);
+    }
+    return t;
+  }
+  int64_t r = i - experts_end;
+  const int64_t sd = (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd;
+  if (r < sd) {
+    t.kind = MOK_TASK_SHARED_DOWN;
+    t.m = (int32_t)(r / p->n_sd), t.n = (int32_t)(r % p->n_sd);
+    return t;
+  }
+  t.m = (int32_t)(r - sd);
+  return t;
+}
+
+#endif /* MOK_TASK_PLAN_H */
