@@ -1,14 +1,16 @@
 /*
  * layer.c: the layer handle: descriptor validation, create/destroy, size queries, argument
  * validation shared by both backends, and the dispatch of forward/backward/quantize to the backend
- * chosen by the communicator's device (MOK_DEVICE_CPU: the plain-C reference; a GPU: the CUDA
- * kernels, which report MOK_ERROR_NOT_IMPLEMENTED until they land).
+ * chosen by the communicator's device (MOK_DEVICE_CPU: the plain-C reference, src/cpu_backend.c;
+ * a GPU: src/gpu_backend.c, whose forward runs W = 1 BF16 layers; the rest reports
+ * MOK_ERROR_NOT_IMPLEMENTED until it lands).
  */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/launch.h" /* mok_quantize_weights_gpu */
 #include "mok_internal.h"
 
 static atomic_uint_fast64_t g_next_layer_id = 1; /* distinguishes layers in saved contexts */
@@ -82,31 +84,36 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
   double cf = desc->capacity_factor > 0 ? desc->capacity_factor : (double)comm->nranks;
   l->capacity_rows = (int64_t)ceil(cf * (double)(desc->max_tokens * desc->top_k));
   l->id = atomic_fetch_add(&g_next_layer_id, 1);
+  if (is_gpu(l) && (r = mok_gpu_layer_create(l)) != MOK_SUCCESS) {
+    free(l);
+    return r;
+  }
   *out = l;
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_destroy(mok_layer_t layer) {
+  if (layer && is_gpu(layer)) mok_gpu_layer_destroy(layer);
   free(layer);
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_check(mok_layer_t layer) {
   if (!layer) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_check: layer is NULL");
-  /* The CPU backend reports everything synchronously; no GPU kernel has run yet. */
-  return MOK_SUCCESS;
+  /* The CPU backend reports everything synchronously. */
+  return is_gpu(layer) ? mok_gpu_check(layer) : MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_workspace_size(mok_layer_t layer, size_t *bytes) {
   if (!layer || !bytes)
     return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_workspace_size: NULL argument");
-  *bytes = 0; /* the CPU backend allocates per call; GPU workspace arrives with the kernels */
+  *bytes = is_gpu(layer) ? mok_gpu_workspace_bytes(layer) : 0; /* the CPU allocates per call */
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_context_size(mok_layer_t layer, size_t *bytes) {
   if (!layer || !bytes) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_context_size: NULL argument");
-  *bytes = mok_cpu_context_bytes(&layer->d);
+  *bytes = is_gpu(layer) ? mok_gpu_context_bytes(layer) : mok_cpu_context_bytes(&layer->d);
   return MOK_SUCCESS;
 }
 
@@ -216,7 +223,7 @@ mokResult_t mok_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, voi
   if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_forward: layer is NULL");
   mokResult_t r = mok_check_forward_args(l, a, y, ctx, stream);
   if (r != MOK_SUCCESS) return r;
-  if (is_gpu(l)) return gpu_not_yet(l, "mok_forward");
+  if (is_gpu(l)) return mok_gpu_forward(l, a, y, ctx, stream);
   return mok_cpu_forward(l, a, y, ctx);
 }
 
@@ -242,6 +249,11 @@ mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *ou
   if (r != MOK_SUCCESS) return r;
   r = check_tensor(l, out, 1, 16, "out");
   if (r != MOK_SUCCESS) return r;
-  if (is_gpu(l)) return gpu_not_yet(l, "mok_quantize_weights");
+  if (is_gpu(l)) {
+    r = mok_quantize_weights_gpu(&l->d, l->EL, w, out, stream);
+    return r == MOK_SUCCESS ? r
+                            : mok_fail(l, r, "mok_quantize_weights on GPU %d: %s", l->comm->device,
+                                       mok_last_error());
+  }
   return mok_cpu_quantize_weights(l, w, out);
 }

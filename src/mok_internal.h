@@ -32,6 +32,7 @@ struct mok_layer {
   int64_t capacity_rows; /* routed rows (unpadded) this rank can receive */
   uint64_t id;           /* distinguishes layers in saved contexts */
   char err[MOK_ERR_LEN]; /* detail of the last failure on this layer */
+  struct mok_gpu_layer *gpu; /* GPU backend state (src/gpu_backend.c); NULL on the CPU */
 };
 
 /* Records a failure: formats the detail into the thread's last error and, when layer is not NULL,
@@ -98,6 +99,16 @@ mokResult_t mok_cpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
 mokResult_t mok_cpu_backward(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *g, const void *ctx);
 mokResult_t mok_cpu_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *out);
+
+/* GPU backend (src/gpu_backend.c): W = 1, BF16 runs; other GPU layers report
+ * MOK_ERROR_NOT_IMPLEMENTED from forward. create allocates the workspace (src/workspace.h). */
+mokResult_t mok_gpu_layer_create(mok_layer_t l);
+void mok_gpu_layer_destroy(mok_layer_t l);
+size_t mok_gpu_workspace_bytes(mok_layer_t l);
+size_t mok_gpu_context_bytes(mok_layer_t l);
+mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
+                            mok_stream_t stream);
+mokResult_t mok_gpu_check(mok_layer_t l);
 
 /* CUDA helpers (src/cuda_host.c); without CUDA they report MOK_ERROR_NO_DEVICE. */
 mokResult_t mok_cuda_device_count(int *count);

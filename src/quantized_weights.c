@@ -1,6 +1,6 @@
 /*
  * quantized_weights.c: the layout of the buffer mok_quantize_weights fills, and the host quantizer
- * that fills it for CPU layers.
+ * that fills it for CPU layers (GPU layers: src/cuda/quantize.cu).
  *
  * Every GEMM operand is stored K-major (its reduction dim contiguous), because FP8 wgmma reads both
  * operands K-major; backward's data-gradient GEMMs reduce over the other dim, hence the transposed
@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "cpu/quant.h"
+#include "cuda/launch.h" /* mok_quantize_weights_gpu (its stub without CUDA) */
 #include "mok_internal.h"
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -91,3 +92,13 @@ mokResult_t mok_cpu_quantize_weights(mok_layer_t l, const mok_weights_t *w, void
   }
   return MOK_SUCCESS;
 }
+
+#ifndef MOK_WITH_CUDA
+/* The GPU quantizer lives in src/cuda/quantize.cu; a build without nvcc has no GPU layers, so
+ * layer.c never gets here, but the symbol must exist for it to link. */
+mokResult_t mok_quantize_weights_gpu(const mok_layer_desc_t *d, int64_t EL, const mok_weights_t *w,
+                                     void *out, void *stream) {
+  (void)d, (void)EL, (void)w, (void)out, (void)stream;
+  return mok_fail(NULL, MOK_ERROR_NO_DEVICE, "this build of MoK has no CUDA support");
+}
+#endif

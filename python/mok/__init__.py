@@ -7,7 +7,8 @@ Two levels:
   torch.autograd (imported lazily, so numpy-only users never need torch).
 
 A layer on device "cpu" runs the plain-C reference backend; on a CUDA device the GPU backend,
-which reports NOT_IMPLEMENTED until the GPU kernels land.
+whose forward runs BF16 layers and which reports NOT_IMPLEMENTED for backward (and fp8 forward)
+until those kernels land.
 """
 import ctypes
 

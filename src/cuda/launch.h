@@ -258,6 +258,96 @@ mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream);
 mokResult_t mok_transport_remote_bytes(mok_transport_t t, int64_t *dispatch_bytes,
                                        int64_t *combine_bytes);
 
+/* ============================================================================================== */
+/* Layer forward, W = 1, unfused (src/cuda/layout_local.cu, src/cuda/rows_local.cu)                */
+/* ============================================================================================== */
+/*
+ * The short kernel chain src/gpu_backend.c runs for mok_forward on one GPU, around the grouped
+ * GEMMs above: layout (one CTA) -> gather -> [gate/up, down, shared gate/up, shared down GEMMs]
+ * -> reduce. Buffers are the regions of src/workspace.h. No launcher synchronizes or reads device
+ * memory on the host, so the chain can be captured in a CUDA graph. A failing launch returns
+ * MOK_ERROR_CUDA with cudaGetErrorString's text in mok_last_error().
+ */
+
+enum { MOK_FWD_MAX_EXPERTS = 1024, /* the layout CTA keeps per-warp bins of every expert in smem */
+       MOK_FWD_MAX_TOP_K = 64 };
+
+typedef struct {
+  int64_t T, H, E, K, Is;     /* this call's tokens; E = local experts (W = 1: all) */
+  int64_t capacity_rows;      /* R: rows of the routed buffers */
+  const int32_t *topk_idx;    /* [T, K] */
+  const float *topk_w;        /* [T, K] */
+  const void *x;              /* [T, H] bf16 */
+  void *y;                    /* [T, H] bf16 */
+  /* workspace regions */
+  void *err;                  /* mok_ws_error_t */
+  int32_t *status;            /* [1] */
+  int32_t *offsets;           /* [E + 1] */
+  int32_t *shared_offsets;    /* [2] */
+  int32_t *slot_row;          /* [T_max, K] */
+  float *row_w;               /* [R] */
+  void *xg;                   /* [R, H] bf16 */
+  const void *yk;             /* [R, H] bf16 */
+  const float *ys;            /* [T, H] fp32, NULL when Is = 0 */
+  /* context regions (the layout kernel writes the header and copies of slot_row and offsets) */
+  void *ctx_header;           /* mok_ctx_header_t */
+  int32_t *ctx_slot_row;      /* [T_max, K] */
+  int32_t *ctx_offsets;       /* [E + 1] */
+  uint64_t layer_id;
+  int64_t context_mode;
+} mok_fwd_local_params_t;
+
+/* Validates routing (error word + status), counts rows per expert, offsets = exclusive prefix
+ * sum, slot_row in (token, slot) order within each expert (src/cpu/layout.c with W = 1,
+ * tile_m = 1), checks capacity, writes the context header. */
+mokResult_t mok_fwd_layout_launch(const mok_fwd_local_params_t *p, void *stream);
+/* xg[slot_row[t, k]] = x[t], row_w[slot_row[t, k]] = topk_w[t, k]. */
+mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, void *stream);
+/* y[t] = bf16(ys[t] + yk[row(t, 0)] + ... + yk[row(t, K-1)]), fp32, slot order, empty slots
+ * skipped; y untouched when the call's status is 0. */
+mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream);
+
+/* ============================================================================================== */
+/* Quantizers (src/cuda/quantize.cu; include/mok.h "Quantizers" is the bit-exact specification)    */
+/* ============================================================================================== */
+
+/* `count` bf16 matrices quantized to e4m3 values and block scales, each exactly as
+ * mok_quantize_host quantizes it (bf16 -> fp32 is exact). The stored copy is [rows, cols]; its
+ * element (e, r, c) is read from
+ *   in[e * in_stride + r * in_ld + c]   transpose = 0, or
+ *   in[e * in_stride + c * in_ld + r]   transpose = 1 (the source is [cols, rows]: the transposed
+ *                                       copies of mok_quantize_weights)
+ * and the outputs are packed matrix after matrix, each as mok_quantize_host writes it:
+ *   q      [count, rows, cols] e4m3
+ *   scales [count, ceil(rows / block_rows), ceil(cols / block_cols)] fp32 (FP32, POW2) or E8M0
+ *          bytes. */
+typedef struct {
+  const void *in;             /* bf16, device memory, 2-byte aligned */
+  int transpose;              /* 0 or 1 */
+  int64_t in_ld;              /* elements between source rows; 0 = packed (cols, or rows when
+                                 transposed) */
+  int64_t in_stride;          /* elements between source matrices; 0 = packed (rows * cols) */
+  int64_t count, rows, cols;  /* >= 0; rows * cols <= 2^40, count <= 2^20 */
+  int block_rows, block_cols; /* powers of two in 1..128 (blocks tile the kernel's 128x128 tiles) */
+  mok_quant_scale_t kind;
+  uint8_t *q;                 /* device memory */
+  void *scales;               /* device memory, 4-byte aligned for fp32 scales */
+} mok_quantize_params_t;
+
+/* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,
+ * MOK_ERROR_MISALIGNED, with the detail in mok_last_error()) and enqueues the kernel on `stream`
+ * (a cudaStream_t of the current device); MOK_ERROR_CUDA when the launch fails. An empty matrix
+ * succeeds without touching the device. */
+mokResult_t mok_quantize_launch(const mok_quantize_params_t *p, void *stream);
+
+/* Fills the whole quantized-weight buffer `out` (mok_qw_layout(d, EL) bytes, device memory) from
+ * the bf16 weights `w` (device memory), byte for byte as mok_cpu_quantize_weights does on the
+ * host; bytes between operands (alignment gaps) are not written. One launch on `stream`, on the
+ * device that holds `out`; the caller's current device is kept. Without CUDA (a build without
+ * nvcc) it reports MOK_ERROR_NO_DEVICE. */
+mokResult_t mok_quantize_weights_gpu(const mok_layer_desc_t *d, int64_t EL, const mok_weights_t *w,
+                                     void *out, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

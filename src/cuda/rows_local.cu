@@ -1,0 +1,144 @@
+/*
+ * rows_local.cu: moving rows between token order and expert order on one GPU (W = 1), the
+ * kernels around the grouped GEMMs of the unfused forward (launch.h, "Layer forward"):
+ *
+ *   gather:  xg[slot_row[t, k]] = x[t]  and  row_w[slot_row[t, k]] = topk_w[t, k]
+ *   reduce:  y[t] = bf16( ys[t] + yk[row(t, 0)] + ... + yk[row(t, K-1)] )
+ *            an fp32 sum in slot order that skips empty slots: DESIGN.md section 2, the same
+ *            additions in the same order as the CPU reference (src/cpu/ref_layer.c), so equal yk
+ *            and ys give bitwise equal y.
+ *
+ * One warp per token, 16-byte loads and stores (H % 128 == 0, so every row is 16-byte aligned).
+ * Both kernels return at once when the call's status (written by the layout kernel) is 0.
+ */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda/launch.h"
+#include "mok_internal.h"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
+#error "MoK's forward kernels target sm_90a (Hopper) and newer"
+#endif
+
+#define RL_THREADS 256
+#define RL_WARPS (RL_THREADS / 32)
+
+static_assert(RL_THREADS % 32 == 0, "whole warps");
+
+// The rows of token t's slots into this warp's smem array rows [K]. Returns 0 past the last token.
+__device__ __forceinline__ int rl_token_rows(const mok_fwd_local_params_t &p, int64_t t,
+                                             int32_t *rows) {
+  if (t >= p.T) return 0;
+  for (int64_t k = threadIdx.x & 31; k < p.K; k += 32) rows[k] = p.slot_row[t * p.K + k];
+  __syncwarp();
+  return 1;
+}
+
+__global__ void __launch_bounds__(RL_THREADS)
+    rl_gather_kernel(const __grid_constant__ mok_fwd_local_params_t p) {
+  __shared__ int32_t s_rows[RL_WARPS][MOK_FWD_MAX_TOP_K];
+  if (*p.status == 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
+  int32_t *rows = s_rows[warp];
+  if (!rl_token_rows(p, t, rows)) return;
+  const int64_t K = p.K, H8 = p.H / 8;  // 16-byte chunks per row
+  for (int64_t k = lane; k < K; k += 32)
+    if (rows[k] >= 0) p.row_w[rows[k]] = p.topk_w[t * K + k];
+  const uint4 *src = (const uint4 *)p.x + t * H8;  // [H / 8] of token t
+  uint4 *xg = (uint4 *)p.xg;                       // [R, H / 8]
+  for (int64_t c = lane; c < H8; c += 32) {
+    const uint4 v = src[c];
+    for (int64_t k = 0; k < K; k++) {
+      const int32_t r = rows[k];
+      if (r >= 0) xg[(int64_t)r * H8 + c] = v;
+    }
+  }
+}
+
+__device__ __forceinline__ void rl_add_bf16x8(float (&acc)[8], uint4 v) {
+  const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__global__ void __launch_bounds__(RL_THREADS)
+    rl_reduce_kernel(const __grid_constant__ mok_fwd_local_params_t p) {
+  __shared__ int32_t s_rows[RL_WARPS][MOK_FWD_MAX_TOP_K];
+  if (*p.status == 0) return;  // an invalid call leaves y as it was
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
+  int32_t *rows = s_rows[warp];
+  if (!rl_token_rows(p, t, rows)) return;
+  const int64_t K = p.K, H8 = p.H / 8;
+  const uint4 *yk = (const uint4 *)p.yk;                                   // [R, H / 8]
+  const float4 *ys = p.ys ? (const float4 *)p.ys + t * (H8 * 2) : NULL;  // [H / 4] of token t
+  uint4 *y = (uint4 *)p.y + t * H8;                                        // [H / 8] of token t
+  for (int64_t c = lane; c < H8; c += 32) {
+    float acc[8];
+    if (ys) {
+      const float4 a = ys[2 * c], b = ys[2 * c + 1];
+      acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
+      acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+    }
+    for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
+      const int32_t r = rows[k];
+      if (r >= 0) rl_add_bf16x8(acc, yk[(int64_t)r * H8 + c]);
+    }
+    uint4 out;
+    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
+#pragma unroll
+    for (int j = 0; j < 4; j++) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+    y[c] = out;
+  }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Launchers                                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+static mokResult_t rl_check(const mok_fwd_local_params_t *p, const char *what) {
+  if (!p || !p->status || !p->slot_row || (p->T > 0 && (!p->x || !p->y || !p->topk_w)))
+    return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s launch: NULL buffer", what);
+  if (p->K < 1 || p->K > MOK_FWD_MAX_TOP_K || p->H < 8 || p->H % 8 || p->T < 0)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "%s launch: K = %lld, H = %lld, T = %lld",
+                    what, (long long)p->K, (long long)p->H, (long long)p->T);
+  return MOK_SUCCESS;
+}
+
+static mokResult_t rl_launched(const char *what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return mok_fail(NULL, MOK_ERROR_CUDA, "%s kernel launch: %s", what, cudaGetErrorString(e));
+  return MOK_SUCCESS;
+}
+
+extern "C" mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, void *stream) {
+  mokResult_t r = rl_check(p, "gather");
+  if (r != MOK_SUCCESS) return r;
+  if (!p->row_w || !p->xg) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "gather launch: NULL buffer");
+  if (p->T == 0) return MOK_SUCCESS;
+  const unsigned blocks = (unsigned)((p->T + RL_WARPS - 1) / RL_WARPS);
+  rl_gather_kernel<<<blocks, RL_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return rl_launched("gather");
+}
+
+extern "C" mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream) {
+  mokResult_t r = rl_check(p, "reduce");
+  if (r != MOK_SUCCESS) return r;
+  if (!p->yk || (p->Is > 0 && !p->ys))
+    return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "reduce launch: NULL buffer");
+  if (p->T == 0) return MOK_SUCCESS;
+  const unsigned blocks = (unsigned)((p->T + RL_WARPS - 1) / RL_WARPS);
+  rl_reduce_kernel<<<blocks, RL_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return rl_launched("reduce");
+}

@@ -1,0 +1,323 @@
+/*
+ * gpu_backend.c: the public calls on a GPU layer, host side. W = 1 and BF16 run the unfused GPU
+ * forward: a short chain of kernels on the caller's stream (launch.h), with no host
+ * synchronization and no device data read on the host, so a forward can be captured in a CUDA
+ * graph:
+ *
+ *   layout (1 CTA)       topk_idx [T, K] -> status, offsets [E + 1], slot_row [T, K], ctx header
+ *   gather               x [T, H] -> xg [R, H] (expert order), topk_w -> row_w [R]
+ *   gate/up GEMM         a [R, I] = bf16(row_w · silu(xg · Wgᵀ) · (xg · Wuᵀ)), SAVE: g, u -> ctx
+ *   down GEMM            yk [R, H] = bf16(a · Wdᵀ)
+ *   shared gate/up       as [T, Is] = bf16(silu(x · Wsgᵀ) · (x · Wsuᵀ)), SAVE: gs, us -> ctx
+ *   shared down          ys [T, H] fp32 = as · Wsdᵀ
+ *   reduce               y [T, H] = bf16(ys + yk(slot 0) + ... + yk(slot K-1))
+ *
+ * This is also the unfused reference the fused persistent kernel will be tested against. Buffers
+ * are the regions of src/workspace.h. Errors the kernels find (bad routing, capacity overflow)
+ * make the call compute nothing and wait in the workspace's error word for mok_layer_check.
+ * Other GPU layers (W > 1, fp8) allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mok_internal.h"
+#include "workspace.h"
+
+#ifdef MOK_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/launch.h"
+
+struct mok_gpu_layer {
+  mok_ws_layout_t lay;
+  char *ws;          /* device workspace, lay.ws_bytes; NULL when the layer cannot run */
+  void *last_stream; /* the stream of the last forward, synchronized by mok_layer_check */
+  int ran;           /* a forward was enqueued since the layer was created */
+};
+
+static int gpu_runs(mok_layer_t l) {
+  return l->comm->nranks == 1 && l->d.precision == MOK_PRECISION_BF16;
+}
+
+static mokResult_t gpu_cuda(mok_layer_t l, const char *call, cudaError_t e) {
+  cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
+  return mok_fail(l, MOK_ERROR_CUDA, "%s: %s", call, cudaGetErrorString(e));
+}
+
+#define GPU_CUDA_GOTO(l, call, res, label)       \
+  do {                                           \
+    cudaError_t gpu_e_ = (call);                 \
+    if (gpu_e_ != cudaSuccess) {                 \
+      res = gpu_cuda((l), #call, gpu_e_);        \
+      goto label;                                \
+    }                                            \
+  } while (0)
+
+/* A launcher's failure, already described in this thread's last error: copies it to the layer. */
+static mokResult_t gpu_launcher_failed(mok_layer_t l, mokResult_t r) {
+  memcpy(l->err, mok_last_error(), sizeof(l->err));
+  l->err[sizeof(l->err) - 1] = '\0';
+  return r;
+}
+
+/* Makes the layer's device current; the previous one goes to *prev. */
+static mokResult_t gpu_enter(mok_layer_t l, int *prev) {
+  *prev = l->comm->device;
+  cudaError_t e = cudaGetDevice(prev);
+  if (e == cudaSuccess) e = cudaSetDevice(l->comm->device);
+  return e == cudaSuccess ? MOK_SUCCESS : gpu_cuda(l, "cudaSetDevice", e);
+}
+
+static mok_ws_dims_t gpu_dims(mok_layer_t l) { return mok_ws_dims(&l->d, l->EL, l->capacity_rows); }
+
+mokResult_t mok_gpu_layer_create(mok_layer_t l) {
+  struct mok_gpu_layer *g = calloc(1, sizeof(*g));
+  if (!g) return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_layer_create: calloc");
+  const mok_ws_dims_t dims = gpu_dims(l);
+  mok_ws_layout(&dims, &g->lay);
+  l->gpu = g;
+  if (!gpu_runs(l)) return MOK_SUCCESS; /* forward reports NOT_IMPLEMENTED; nothing to hold */
+  if (l->EL > MOK_FWD_MAX_EXPERTS) {
+    mok_gpu_layer_destroy(l);
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "num_experts (E) = %lld: GPU layers support up to %d experts per GPU",
+                    (long long)l->EL, MOK_FWD_MAX_EXPERTS);
+  }
+  int prev;
+  mokResult_t res = gpu_enter(l, &prev);
+  if (res != MOK_SUCCESS) {
+    mok_gpu_layer_destroy(l);
+    return res;
+  }
+  cudaError_t e = cudaMalloc((void **)&g->ws, g->lay.ws_bytes);
+  if (e != cudaSuccess) {
+    g->ws = NULL;
+    cudaGetLastError();
+    res = mok_fail(NULL, e == cudaErrorMemoryAllocation ? MOK_ERROR_OUT_OF_MEMORY : MOK_ERROR_CUDA,
+                   "mok_layer_create: cudaMalloc of the %zu-byte workspace on GPU %d: %s",
+                   g->lay.ws_bytes, l->comm->device, cudaGetErrorString(e));
+  } else if ((e = cudaMemset(g->ws, 0, g->lay.ws_bytes)) != cudaSuccess ||
+             (e = cudaDeviceSynchronize()) != cudaSuccess) {
+    res = gpu_cuda(NULL, "mok_layer_create: clearing the workspace", e);
+  }
+  cudaSetDevice(prev);
+  if (res != MOK_SUCCESS) mok_gpu_layer_destroy(l);
+  return res;
+}
+
+void mok_gpu_layer_destroy(mok_layer_t l) {
+  if (!l || !l->gpu) return;
+  if (l->gpu->ws) {
+    int prev;
+    if (gpu_enter(l, &prev) == MOK_SUCCESS) {
+      cudaFree(l->gpu->ws); /* waits for kernels still using it */
+      cudaSetDevice(prev);
+    }
+  }
+  free(l->gpu);
+  l->gpu = NULL;
+}
+
+size_t mok_gpu_workspace_bytes(mok_layer_t l) {
+  return l->gpu && l->gpu->ws ? l->gpu->lay.ws_bytes : 0;
+}
+
+size_t mok_gpu_context_bytes(mok_layer_t l) {
+  mok_ws_layout_t lay;
+  const mok_ws_dims_t dims = gpu_dims(l);
+  mok_ws_layout(&dims, &lay);
+  return lay.ctx_bytes;
+}
+
+/* ---- forward ---------------------------------------------------------------------------------- */
+
+/* One grouped GEMM of the chain; `what` names it in the error. */
+static mokResult_t gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *what,
+                            void *stream) {
+  mokResult_t r = mok_grouped_gemm_launch(p, stream);
+  if (r != MOK_SUCCESS)
+    return mok_fail(l, r, "the %s grouped GEMM (G = %lld, M = %lld, N = %lld, K = %lld) failed to "
+                    "launch: %s", what, (long long)p->num_groups, (long long)p->m_total,
+                    (long long)p->n, (long long)p->k, mok_error_string(r));
+  return MOK_SUCCESS;
+}
+
+static mok_grouped_gemm_params_t gpu_gemm_params(mok_gg_epilogue_t epi, int64_t groups,
+                                                 int64_t m, int64_t n, int64_t k) {
+  mok_grouped_gemm_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.dtype = MOK_GG_BF16;
+  p.b_layout = MOK_GG_B_KMAJOR;
+  p.epilogue = epi;
+  p.num_groups = groups;
+  p.m_total = m;
+  p.n = n;
+  p.k = k;
+  return p;
+}
+
+/* The kernel chain of one forward (see the banner). */
+static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a, void *y,
+                                     char *ctx, void *stream) {
+  const struct mok_gpu_layer *g = l->gpu;
+  const mok_ws_layout_t *lay = &g->lay;
+  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
+                Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
+  const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
+  char *ws = g->ws;
+
+  mok_fwd_local_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.T = T, p.H = H, p.E = E, p.K = l->d.top_k, p.Is = Is, p.capacity_rows = R;
+  p.topk_idx = a->topk_idx, p.topk_w = a->topk_w, p.x = a->x, p.y = y;
+  p.err = ws + lay->ws[MOK_WS_ERROR];
+  p.status = (int32_t *)(ws + lay->ws[MOK_WS_STATUS]);
+  p.offsets = (int32_t *)(ws + lay->ws[MOK_WS_OFFSETS]);
+  p.shared_offsets = (int32_t *)(ws + lay->ws[MOK_WS_SHARED_OFFSETS]);
+  p.slot_row = (int32_t *)(ws + lay->ws[MOK_WS_SLOT_ROW]);
+  p.row_w = (float *)(ws + lay->ws[MOK_WS_ROW_W]);
+  p.xg = ws + lay->ws[MOK_WS_XG];
+  p.yk = ws + lay->ws[MOK_WS_YK];
+  p.ys = Is > 0 ? (const float *)(ws + lay->ws[MOK_WS_YS]) : NULL;
+  p.ctx_header = ctx + lay->ctx[MOK_CTX_HEADER];
+  p.ctx_slot_row = (int32_t *)(ctx + lay->ctx[MOK_CTX_SLOT_ROW]);
+  p.ctx_offsets = (int32_t *)(ctx + lay->ctx[MOK_CTX_OFFSETS]);
+  p.layer_id = l->id;
+  p.context_mode = l->d.context_mode;
+
+  mokResult_t r = mok_fwd_layout_launch(&p, stream);
+  if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);
+  if (T == 0) return MOK_SUCCESS; /* the layout wrote the context header; nothing else to do */
+  r = mok_fwd_gather_launch(&p, stream);
+  if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);
+
+  /* Routed experts: E groups over the R rows of xg; rows past offsets[E] are not touched. */
+  mok_grouped_gemm_params_t gu = gpu_gemm_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
+  gu.a = p.xg;                /* [R, H] */
+  gu.b = a->w.wg;             /* [E, I, H] */
+  gu.b2 = a->w.wu;            /* [E, I, H] */
+  gu.offsets = p.offsets;     /* [E + 1] */
+  gu.c = ws + lay->ws[MOK_WS_A]; /* [R, I] */
+  gu.row_scale = p.row_w;     /* [R] */
+  gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL; /* [R, I] */
+  gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
+  if ((r = gpu_gemm(l, &gu, "routed gate/up", stream)) != MOK_SUCCESS) return r;
+
+  mok_grouped_gemm_params_t dn = gpu_gemm_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
+  dn.a = gu.c;                /* [R, I] */
+  dn.b = a->w.wd;             /* [E, H, I] */
+  dn.offsets = p.offsets;
+  dn.c = (void *)p.yk;        /* [R, H], over xg: the gate/up GEMM before it has read xg */
+  if ((r = gpu_gemm(l, &dn, "routed down", stream)) != MOK_SUCCESS) return r;
+
+  /* Shared expert: one group [0, T) of x itself ({0, 0} when the call is invalid). */
+  if (Is > 0) {
+    mok_grouped_gemm_params_t sgu = gpu_gemm_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
+    sgu.a = a->x;             /* [T, H] */
+    sgu.b = a->w.wsg;         /* [Is, H] */
+    sgu.b2 = a->w.wsu;        /* [Is, H] */
+    sgu.offsets = p.shared_offsets;
+    sgu.c = ws + lay->ws[MOK_WS_AS]; /* [T, Is] */
+    sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL; /* [T, Is] */
+    sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
+    if ((r = gpu_gemm(l, &sgu, "shared gate/up", stream)) != MOK_SUCCESS) return r;
+
+    mok_grouped_gemm_params_t sdn = gpu_gemm_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
+    sdn.a = sgu.c;            /* [T, Is] */
+    sdn.b = a->w.wsd;         /* [H, Is] */
+    sdn.offsets = p.shared_offsets;
+    sdn.c = (void *)p.ys;     /* [T, H] fp32 */
+    if ((r = gpu_gemm(l, &sdn, "shared down", stream)) != MOK_SUCCESS) return r;
+  }
+
+  r = mok_fwd_reduce_launch(&p, stream);
+  if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
+                            mok_stream_t stream) {
+  if (l->comm->nranks != 1)
+    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
+                    "mok_forward on GPU %d with W = %d ranks: expert parallelism is not "
+                    "implemented on the GPU yet (W = 1 is)",
+                    l->comm->device, l->comm->nranks);
+  if (l->d.precision != MOK_PRECISION_BF16)
+    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
+                    "mok_forward on GPU %d: %s layers are not implemented on the GPU yet (BF16 "
+                    "is); use a BF16 layer, or MOK_DEVICE_CPU for the reference",
+                    l->comm->device,
+                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "fp8-block" : "MXFP8");
+  if (!l->gpu || !l->gpu->ws)
+    return mok_fail(l, MOK_ERROR_INTERNAL, "mok_forward: GPU layer without a workspace");
+  int prev;
+  mokResult_t r = gpu_enter(l, &prev);
+  if (r != MOK_SUCCESS) return r;
+  l->gpu->last_stream = stream;
+  l->gpu->ran = 1;
+  r = gpu_forward_chain(l, a, y, ctx, stream);
+  cudaSetDevice(prev);
+  return r;
+}
+
+/* ---- asynchronous errors ---------------------------------------------------------------------- */
+
+mokResult_t mok_gpu_check(mok_layer_t l) {
+  if (!l->gpu || !l->gpu->ws || !l->gpu->ran) return MOK_SUCCESS;
+  int prev;
+  mokResult_t res = gpu_enter(l, &prev);
+  if (res != MOK_SUCCESS) return res;
+  mok_ws_error_t e;
+  void *word = l->gpu->ws + l->gpu->lay.ws[MOK_WS_ERROR];
+  GPU_CUDA_GOTO(l, cudaStreamSynchronize((cudaStream_t)l->gpu->last_stream), res, done);
+  GPU_CUDA_GOTO(l, cudaMemcpy(&e, word, sizeof(e), cudaMemcpyDeviceToHost), res, done);
+  if (e.code == 0) goto done;
+  GPU_CUDA_GOTO(l, cudaMemset(word, 0, sizeof(e)), res, done);
+  GPU_CUDA_GOTO(l, cudaDeviceSynchronize(), res, done);
+  if (e.kind == MOK_WS_ERR_ID_RANGE)
+    res = mok_fail(l, MOK_ERROR_INVALID_ROUTING,
+                   "topk_idx[%lld][%lld] = %lld is not an expert id in [-1, %lld); that forward "
+                   "computed nothing and left y unchanged",
+                   (long long)e.token, (long long)e.slot, (long long)e.value, (long long)e.limit);
+  else if (e.kind == MOK_WS_ERR_REPEAT)
+    res = mok_fail(l, MOK_ERROR_INVALID_ROUTING,
+                   "topk_idx[%lld][%lld] = %lld repeats the expert of slot %lld (the experts of a "
+                   "token must be distinct); that forward computed nothing and left y unchanged",
+                   (long long)e.token, (long long)e.slot, (long long)e.value, (long long)e.limit);
+  else if (e.kind == MOK_WS_ERR_CAPACITY)
+    res = mok_fail(l, MOK_ERROR_CAPACITY_OVERFLOW,
+                   "%lld routed rows, capacity is %lld (capacity_factor %g x T_max %lld x K "
+                   "%lld); raise capacity_factor or use 0 (automatic); that forward computed "
+                   "nothing and left y unchanged",
+                   (long long)e.value, (long long)e.limit, l->d.capacity_factor,
+                   (long long)l->d.max_tokens, (long long)l->d.top_k);
+  else
+    res = mok_fail(l, e.code > 0 && e.code < MOK_NUM_RESULTS ? (mokResult_t)e.code
+                                                             : MOK_ERROR_INTERNAL,
+                   "GPU kernel error of kind %d", (int)e.kind);
+done:
+  cudaSetDevice(prev);
+  return res;
+}
+
+#else /* !MOK_WITH_CUDA: no GPU layer can exist (mok_comm_create_local reports NO_DEVICE) */
+
+mokResult_t mok_gpu_layer_create(mok_layer_t l) {
+  return mok_fail(l, MOK_ERROR_NO_DEVICE, "this build of MoK has no CUDA support");
+}
+void mok_gpu_layer_destroy(mok_layer_t l) { (void)l; }
+size_t mok_gpu_workspace_bytes(mok_layer_t l) { (void)l; return 0; }
+size_t mok_gpu_context_bytes(mok_layer_t l) {
+  mok_ws_layout_t lay;
+  const mok_ws_dims_t dims = mok_ws_dims(&l->d, l->EL, l->capacity_rows);
+  mok_ws_layout(&dims, &lay);
+  return lay.ctx_bytes;
+}
+mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
+                            mok_stream_t stream) {
+  (void)a, (void)y, (void)ctx, (void)stream;
+  return mok_fail(l, MOK_ERROR_NO_DEVICE, "this build of MoK has no CUDA support");
+}
+mokResult_t mok_gpu_check(mok_layer_t l) { (void)l; return MOK_SUCCESS; }
+
+#endif /* MOK_WITH_CUDA */

@@ -1,0 +1,404 @@
+/*
+ * test_forward.cu: the unfused GPU forward of a W = 1 BF16 layer (src/gpu_backend.c and its
+ * kernels) against the CPU layer on the same inputs (tolerance: forward_test_util.cuh), plus what
+ * only the GPU has: the layout against src/cpu/layout.c, bitwise run-to-run determinism, CUDA
+ * graph capture and replay with new routing in the same buffers, asynchronous errors reported by
+ * mok_layer_check with y untouched, and the saved context. Every test skips without a GPU.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <vector>
+
+#include "forward_test_util.cuh"
+
+#define NEED_GPU() \
+  if (!gpu_present()) MOK_SKIP("no CUDA device")
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Against the CPU layer                                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, route_t route, const char *what) {
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, I, 8, K, Is, T, T > 0 ? T : 16);
+  fwd_route(&p, route);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  fwd_check_against_cpu(&g, &p, what);
+  fwd_gpu_close(&g);
+}
+
+MOK_TEST(fwd_gpu_matches_cpu_small) {
+  NEED_GPU();
+  const route_t r = {0.1, 0, -1};
+  small_case(128, 0, 2, 100, r, "I=128");
+  small_case(256, 0, 2, 100, r, "I=256");
+  small_case(128, 128, 2, 100, r, "I=128 Is=128");
+  small_case(256, 128, 2, 100, r, "I=256 Is=128");
+}
+
+MOK_TEST(fwd_gpu_routing_edge_cases) {
+  NEED_GPU();
+  const route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
+  const route_t one_expert = {0.0, 0, 5};          // slot 0 of every token: expert 5
+  const route_t many_empty = {0.45, 0, -1};        // -1 slots, some tokens with none at all
+  const route_t all_empty = {1.0, 0, -1};          // no routed rows: y = bf16(ys)
+  const route_t plain = {0.0, 0, -1};
+  small_case(128, 0, 2, 100, empty_experts, "experts 0, 3, 6 empty");
+  small_case(128, 128, 2, 300, one_expert, "every token to expert 5 (300 rows)");
+  small_case(128, 0, 1, 100, plain, "K = 1");
+  small_case(128, 128, 1, 100, one_expert, "K = 1, all to expert 5");
+  small_case(128, 128, 4, 100, many_empty, "K = 4, -1 slots");
+  small_case(128, 128, 2, 100, all_empty, "every slot -1, shared expert only");
+  small_case(128, 0, 2, 1, plain, "T = 1");
+  small_case(128, 128, 2, 257, plain, "T = 257 (not a multiple of 128)");
+  small_case(128, 0, 8, 700, plain, "K = 8, T = 700 (two layout rounds)");
+
+  // T = 0 on a layer with T_max = 16: succeeds and reports no error.
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, 128, 8, 2, 128, 0, 16);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  MOK_EXPECT(fwd_gpu_forward(&g, 0, 0) == MOK_SUCCESS);
+  MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+  // ... and T < T_max
+  p.T = 9;
+  fwd_check_against_cpu(&g, &p, "T = 9 < T_max = 16");
+  fwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Layout                                                                                          */
+/* ---------------------------------------------------------------------------------------------- */
+
+// The context's slot_row and offsets against mok_layout_build (W = 1, tile_m = 1: no padding).
+static void check_layout(const fwd_gpu_t *g, const fwd_problem_t *p, const char *what) {
+  const mok_ws_layout_t lay = fwd_ctx_layout(p);
+  std::vector<uint8_t> c = fwd_gpu_ctx(g);
+  const int32_t *slot_row = (const int32_t *)(c.data() + lay.ctx[MOK_CTX_SLOT_ROW]);
+  const int32_t *offsets = (const int32_t *)(c.data() + lay.ctx[MOK_CTX_OFFSETS]);
+  mok_layout_t L;
+  char err[256];
+  const int64_t T = p->T;
+  const int32_t *idx = p->idx.data();
+  MOK_REQUIRE(mok_layout_build(&L, 1, p->E, p->K, 1, &T, &idx, err, sizeof(err)) == MOK_SUCCESS);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < T * p->K; i++) bad += slot_row[i] != L.slot_row[0][i];
+  MOK_EXPECT_MSG(bad == 0, "%s: %lld slot rows differ from mok_layout_build", what, (long long)bad);
+  for (int64_t e = 0; e < p->E; e++)
+    MOK_EXPECT_MSG(offsets[e] == L.expert_start[e], "%s: offsets[%lld] = %d, layout.c says %lld",
+                   what, (long long)e, offsets[e], (long long)L.expert_start[e]);
+  MOK_EXPECT(offsets[p->E] == L.rank_rows[0]);
+  const mok_ctx_header_t *h = (const mok_ctx_header_t *)(c.data() + lay.ctx[MOK_CTX_HEADER]);
+  MOK_EXPECT(h->magic == MOK_CTX_MAGIC && h->num_tokens == T);
+  mok_layout_free(&L);
+}
+
+MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
+  NEED_GPU();
+  const route_t routes[3] = {{0.2, (1u << 2) | (1u << 7), -1}, {0.0, 0, 1}, {0.0, 0, -1}};
+  for (int i = 0; i < 3; i++) {
+    fwd_problem_t p;
+    fwd_problem_init(&p, 128, 128, 8, 2, 0, 1100, 1100);  // three rounds of the layout CTA
+    fwd_route(&p, routes[i]);
+    fwd_gpu_t g;
+    MOK_REQUIRE(fwd_gpu_open(&g, &p));
+    fwd_gpu_inputs(&g, &p);
+    MOK_EXPECT(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+    MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+    check_layout(&g, &p, "E = 8, K = 2, T = 1100");
+    fwd_gpu_close(&g);
+  }
+  fwd_problem_t p;  // many experts, K = 8, with empty slots
+  fwd_problem_init(&p, 128, 128, 128, 8, 0, 2000, 2048);
+  route_t r = {0.05, 0, -1};
+  fwd_route(&p, r);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  fwd_gpu_inputs(&g, &p);
+  MOK_EXPECT(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+  check_layout(&g, &p, "E = 128, K = 8, T = 2000");
+  fwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Determinism, graphs, saved context                                                              */
+/* ---------------------------------------------------------------------------------------------- */
+
+MOK_TEST(fwd_gpu_is_bitwise_deterministic) {
+  NEED_GPU();
+  fwd_problem_t p;
+  fwd_problem_init(&p, 512, 256, 16, 4, 128, 1000, 1000);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  fwd_gpu_inputs(&g, &p);
+  MOK_REQUIRE(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  std::vector<uint16_t> y1 = fwd_gpu_y(&g, p.T, p.H);
+  std::vector<uint8_t> c1 = fwd_gpu_ctx(&g);
+  cudaMemset(g.y, 0xFF, (size_t)(p.T * p.H) * 2);
+  MOK_REQUIRE(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+  std::vector<uint16_t> y2 = fwd_gpu_y(&g, p.T, p.H);
+  std::vector<uint8_t> c2 = fwd_gpu_ctx(&g);
+  MOK_EXPECT_MSG(y1 == y2, "y differs between two runs");
+  MOK_EXPECT_MSG(c1 == c2, "the saved context differs between two runs");
+  fwd_gpu_close(&g);
+}
+
+MOK_TEST(fwd_gpu_cuda_graph_replays_with_new_routing) {
+  NEED_GPU();
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  fwd_gpu_inputs(&g, &p);
+  cudaStream_t s;
+  MOK_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  MOK_REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  const mokResult_t r = fwd_gpu_forward(&g, p.T, s);
+  const cudaError_t ce = cudaStreamEndCapture(s, &graph);
+  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "mok_forward under capture: %s", mok_last_error());
+  MOK_REQUIRE_MSG(ce == cudaSuccess, "cudaStreamEndCapture: %s", cudaGetErrorString(ce));
+  MOK_REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  const route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
+  for (int i = 0; i < 2; i++) {
+    fwd_route(&p, routes[i]);  // new routing and router weights, same device buffers
+    fwd_gpu_inputs(&g, &p);
+    cudaMemset(g.y, 0xFF, (size_t)(p.T * p.H) * 2);
+    cudaDeviceSynchronize();  // the legacy stream's memset before the non-blocking stream's graph
+    MOK_EXPECT(cudaGraphLaunch(exec, s) == cudaSuccess);
+    MOK_EXPECT(cudaStreamSynchronize(s) == cudaSuccess);
+    MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+    std::vector<uint16_t> y = fwd_gpu_y(&g, p.T, p.H), ref;
+    MOK_REQUIRE(cpu_forward(&p, p.T, p.x.data(), p.idx.data(), p.tw.data(), p.Is, p.T_max, &ref,
+                            NULL) == MOK_SUCCESS);
+    MOK_EXPECT_MSG(fwd_compare_y("graph replay", y.data(), ref.data(), p.T, p.H),
+                   "graph replay %d: y differs from the CPU layer", i);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+  fwd_gpu_close(&g);
+}
+
+// Saved bf16 g, u (layout order, through the context layout) against the CPU's ((token, slot)
+// order): one bf16 rounding of an fp32 GEMM result each, so |gpu - ref| <= atol + 2^-7 |ref| with
+// atol = 2^-7 rms(ref) (a flip is one ulp, at most 2^-7 |ref|; order noise is far below atol).
+static int64_t compare_saved(const uint16_t *gpu, const uint16_t *ref, int64_t n, const char *what) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; i++) ss += (double)bf2f(ref[i]) * bf2f(ref[i]);
+  const double rtol = 1.0 / 128, atol = rtol * sqrt(ss / (double)(n > 0 ? n : 1));
+  int64_t bad = 0, worst = -1;
+  double wd = -1;
+  for (int64_t i = 0; i < n; i++) {
+    const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
+    if (!(d <= atol + rtol * fabs(bf2f(ref[i])))) bad++;
+    if (!(d <= wd)) wd = d, worst = i;
+  }
+  if (worst >= 0)
+    printf("    saved %s: worst |diff| %.3g (gpu %.6g, ref %.6g, atol %.3g), %lld beyond\n", what,
+           wd, bf2f(gpu[worst]), bf2f(ref[worst]), atol, (long long)bad);
+  return bad;
+}
+
+MOK_TEST(fwd_gpu_saved_context_matches_cpu) {
+  NEED_GPU();
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, 256, 8, 2, 128, 100, 100);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  fwd_gpu_inputs(&g, &p);
+  MOK_REQUIRE(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+  std::vector<uint8_t> c = fwd_gpu_ctx(&g), cref;
+  std::vector<uint16_t> yref;
+  MOK_REQUIRE(cpu_forward(&p, p.T, p.x.data(), p.idx.data(), p.tw.data(), p.Is, p.T_max, &yref,
+                          &cref) == MOK_SUCCESS);
+  const mok_ws_layout_t lay = fwd_ctx_layout(&p);
+  const int64_t T = p.T, K = p.K, I = p.I, Is = p.Is, TK = p.T_max * K;
+  const int32_t *slot_row = (const int32_t *)(c.data() + lay.ctx[MOK_CTX_SLOT_ROW]);
+  const uint16_t *gg = (const uint16_t *)(c.data() + lay.ctx[MOK_CTX_G]);
+  const uint16_t *gu = (const uint16_t *)(c.data() + lay.ctx[MOK_CTX_U]);
+  // CPU context (mok_internal.h): header, then g, u [T_max * K, I], gs, us [T_max, Is].
+  const uint16_t *cg = (const uint16_t *)(cref.data() + sizeof(mok_ctx_header_t));
+  const uint16_t *cu = cg + TK * I, *cgs = cu + TK * I, *cus = cgs + p.T_max * Is;
+  std::vector<uint16_t> g_gpu, u_gpu, g_ref, u_ref;  // routed rows in (token, slot) order
+  for (int64_t i = 0; i < T * K; i++) {
+    if (p.idx[i] < 0) {
+      MOK_EXPECT(slot_row[i] == -1);
+      continue;
+    }
+    MOK_REQUIRE(slot_row[i] >= 0);
+    g_gpu.insert(g_gpu.end(), gg + slot_row[i] * I, gg + (slot_row[i] + 1) * I);
+    u_gpu.insert(u_gpu.end(), gu + slot_row[i] * I, gu + (slot_row[i] + 1) * I);
+    g_ref.insert(g_ref.end(), cg + i * I, cg + (i + 1) * I);
+    u_ref.insert(u_ref.end(), cu + i * I, cu + (i + 1) * I);
+  }
+  MOK_EXPECT(compare_saved(g_gpu.data(), g_ref.data(), (int64_t)g_gpu.size(), "g") == 0);
+  MOK_EXPECT(compare_saved(u_gpu.data(), u_ref.data(), (int64_t)u_gpu.size(), "u") == 0);
+  MOK_EXPECT(compare_saved((const uint16_t *)(c.data() + lay.ctx[MOK_CTX_GS]), cgs, T * Is, "gs") == 0);
+  MOK_EXPECT(compare_saved((const uint16_t *)(c.data() + lay.ctx[MOK_CTX_US]), cus, T * Is, "us") == 0);
+  fwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Asynchronous errors                                                                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Runs a forward that must fail on the device: returns MOK_SUCCESS from mok_forward, then
+// mok_layer_check reports `code` with `msg` in the detail, y keeps its poison, the context is
+// marked unusable, and a second check reports nothing.
+static void expect_async_error(fwd_gpu_t *g, const fwd_problem_t *p, mokResult_t code,
+                               const char *msg) {
+  fwd_gpu_inputs(g, p);
+  const size_t ybytes = (size_t)(p->T * p->H) * 2;
+  cudaMemset(g->y, 0x5A, ybytes);
+  MOK_EXPECT(fwd_gpu_forward(g, p->T, 0) == MOK_SUCCESS);
+  const mokResult_t r = mok_layer_check(g->l);
+  MOK_EXPECT_MSG(r == code, "mok_layer_check returned %d (%s), expected %d", (int)r,
+                 mok_layer_last_error(g->l), (int)code);
+  MOK_EXPECT_MSG(strstr(mok_layer_last_error(g->l), msg) != NULL, "message \"%s\" lacks \"%s\"",
+                 mok_layer_last_error(g->l), msg);
+  std::vector<uint8_t> y(ybytes);
+  cudaMemcpy(y.data(), g->y, ybytes, cudaMemcpyDeviceToHost);
+  int64_t touched = 0;
+  for (size_t i = 0; i < ybytes; i++) touched += y[i] != 0x5A;
+  MOK_EXPECT_MSG(touched == 0, "%lld bytes of y written by a failed forward", (long long)touched);
+  const mok_ws_layout_t lay = fwd_ctx_layout(p);
+  std::vector<uint8_t> c = fwd_gpu_ctx(g);
+  MOK_EXPECT(((const mok_ctx_header_t *)(c.data() + lay.ctx[MOK_CTX_HEADER]))->magic == 0);
+  MOK_EXPECT_MSG(mok_layer_check(g->l) == MOK_SUCCESS, "the error was not cleared: %s",
+                 mok_last_error());
+}
+
+MOK_TEST(fwd_gpu_bad_routing_reported_by_check) {
+  NEED_GPU();
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
+  const std::vector<int32_t> good = p.idx;
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+
+  p.idx[5 * 2 + 1] = 9;  // out of range
+  expect_async_error(&g, &p, MOK_ERROR_INVALID_ROUTING,
+                     "topk_idx[5][1] = 9 is not an expert id in [-1, 8)");
+  p.idx = good;
+  fwd_check_against_cpu(&g, &p, "good routing after an id out of range");
+
+  p.idx[7 * 2 + 0] = 3, p.idx[7 * 2 + 1] = 3;  // the same expert twice
+  expect_async_error(&g, &p, MOK_ERROR_INVALID_ROUTING,
+                     "topk_idx[7][1] = 3 repeats the expert of slot 0");
+  p.idx = good;
+
+  p.idx[40 * 2 + 0] = -2;  // two bad entries: the first in (token, slot) order is reported
+  p.idx[3 * 2 + 1] = 8;
+  expect_async_error(&g, &p, MOK_ERROR_INVALID_ROUTING,
+                     "topk_idx[3][1] = 8 is not an expert id in [-1, 8)");
+  p.idx = good;
+  fwd_check_against_cpu(&g, &p, "good routing after two bad entries");
+  fwd_gpu_close(&g);
+}
+
+MOK_TEST(fwd_gpu_capacity_overflow_reported_by_check) {
+  NEED_GPU();
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, 128, 8, 2, 0, 100, 100);
+  p.capacity_factor = 0.5;  // 100 rows for T_max = 100, K = 2
+  route_t full = {0.0, 0, -1};
+  fwd_route(&p, full);  // 200 rows
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  expect_async_error(&g, &p, MOK_ERROR_CAPACITY_OVERFLOW, "200 routed rows, capacity is 100");
+  for (int64_t t = 0; t < p.T; t++) p.idx[t * 2 + 1] = -1;  // exactly 100 rows: fits
+  fwd_check_against_cpu(&g, &p, "rows = capacity");
+  fwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Sizes and what is not implemented                                                               */
+/* ---------------------------------------------------------------------------------------------- */
+
+MOK_TEST(fwd_gpu_sizes_and_fp8_not_implemented) {
+  NEED_GPU();
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, 128, 8, 2, 128, 64, 64);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  size_t ws = 0, cb = 0;
+  const mok_ws_layout_t lay = fwd_ctx_layout(&p);
+  MOK_EXPECT(mok_layer_workspace_size(g.l, &ws) == MOK_SUCCESS && ws > 0);
+  MOK_EXPECT(mok_context_size(g.l, &cb) == MOK_SUCCESS && cb == lay.ctx_bytes);
+  fwd_gpu_close(&g);
+
+  mok_comm_t c = NULL;
+  mok_layer_t l = NULL;
+  MOK_REQUIRE(mok_comm_create_local(&c, 0) == MOK_SUCCESS);
+  mok_layer_desc_t d = fwd_desc(&p, 0, 64);
+  d.precision = MOK_PRECISION_FP8_BLOCK;
+  MOK_REQUIRE(mok_layer_create(&l, c, &d) == MOK_SUCCESS);
+  MOK_EXPECT(mok_layer_workspace_size(l, &ws) == MOK_SUCCESS && ws == 0);
+  void *buf = NULL, *ctx = NULL;
+  MOK_REQUIRE(mok_context_size(l, &cb) == MOK_SUCCESS);
+  cudaMalloc(&buf, 1 << 20);
+  cudaMalloc(&ctx, cb);
+  mok_forward_args_t a;
+  memset(&a, 0, sizeof(a));
+  a.w.quantized = buf;
+  MOK_EXPECT(mok_forward(l, &a, NULL, ctx, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  MOK_EXPECT(strstr(mok_layer_last_error(l), "fp8-block") != NULL);
+  cudaFree(buf);
+  cudaFree(ctx);
+  mok_layer_destroy(l);
+  mok_comm_destroy(c);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Model size                                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Qwen3-30B-A3B (H = 2048, I = 768, E = 128, K = 8), T = 4096: 64 random tokens against the CPU
+// layer run on just those tokens (at W = 1 a token's result does not depend on the others), the
+// layout against layout.c, and two runs bitwise equal.
+MOK_TEST(fwd_gpu_qwen3_30b_a3b_sampled_tokens_match_cpu) {
+  NEED_GPU();
+  const int64_t T = 4096, S = 64;
+  fwd_problem_t p;
+  fwd_problem_init(&p, 2048, 768, 128, 8, 0, T, T);
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  fwd_gpu_inputs(&g, &p);
+  MOK_REQUIRE(fwd_gpu_forward(&g, T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+  std::vector<uint16_t> y = fwd_gpu_y(&g, T, p.H);
+  check_layout(&g, &p, "Qwen3-30B-A3B, T = 4096");
+  MOK_REQUIRE(fwd_gpu_forward(&g, T, 0) == MOK_SUCCESS);
+  MOK_EXPECT(fwd_gpu_y(&g, T, p.H) == y);
+
+  std::vector<int64_t> pick;  // S distinct tokens
+  std::vector<char> taken((size_t)T, 0);
+  while ((int64_t)pick.size() < S) {
+    const int64_t t = (int64_t)(route_next() % (uint64_t)T);
+    if (!taken[t]) taken[t] = 1, pick.push_back(t);
+  }
+  const int64_t H = p.H, K = p.K;
+  std::vector<uint16_t> xs((size_t)(S * H)), ys((size_t)(S * H)), ref;
+  std::vector<int32_t> is((size_t)(S * K));
+  std::vector<float> ws((size_t)(S * K));
+  for (int64_t s = 0; s < S; s++) {
+    const int64_t t = pick[s];
+    memcpy(&xs[s * H], &p.x[t * H], (size_t)H * 2);
+    memcpy(&ys[s * H], &y[t * H], (size_t)H * 2);
+    memcpy(&is[s * K], &p.idx[t * K], (size_t)K * 4);
+    memcpy(&ws[s * K], &p.tw[t * K], (size_t)K * 4);
+  }
+  MOK_REQUIRE(cpu_forward(&p, S, xs.data(), is.data(), ws.data(), 0, S, &ref, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(fwd_compare_y("Qwen3-30B-A3B, 64 of 4096 tokens", ys.data(), ref.data(), S, H));
+  fwd_gpu_close(&g);
+}
