@@ -97,6 +97,7 @@ run: $(BUILD)/mok_run
 # Benchmarks on the GPUs present (torch needed for the baselines); results go to bench/results/.
 bench: all
 	NCCL_NVLS_ENABLE=0 python3 bench/gemm.py
+	python3 bench/forward.py
 	@if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then NCCL_NVLS_ENABLE=0 python3 bench/transport.py; \
 	else echo "SKIP transport benchmark: needs 2 GPUs"; fi
 

@@ -86,6 +86,11 @@ class Layer:
     def __del__(self):
         self.close()
 
+    def check(self):
+        """Raises MokError for an error a GPU kernel of this layer found (bad routing, capacity
+        overflow); synchronizes with the stream of the last forward. A no-op on the CPU."""
+        check(self._lib.mok_layer_check(self._layer))
+
     def _size(self, fn):
         n = ctypes.c_size_t()
         check(fn(self._layer, ctypes.byref(n)))

@@ -1,0 +1,139 @@
+"""
+bench/forward.py: MoK's GPU forward of a whole MoE layer (W = 1, BF16) against the plain PyTorch
+pipeline, in the same process on the same inputs.
+
+The PyTorch pipeline (written here, the usual way): sort the routed (token, slot) pairs by expert,
+gather the token rows, torch._grouped_mm with the concatenated gate and up weights, SwiGLU with
+the router weight in fp32, torch._grouped_mm with the down weights, index_add_ into an fp32
+output, plus the shared expert as dense matmuls; y in bf16. MoK runs what mok_forward runs today
+(the unfused kernel chain of src/gpu_backend.c; the persistent kernel will replace it).
+
+Shapes: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 (with its shared expert), T = 16384 tokens,
+top-8 routing drawn uniformly at random. Each case first checks MoK's y against the pipeline's
+(relative L2 error; above 1e-2 the case is reported as wrong and not timed), then times both with
+CUDA events after warm-up (median). FLOPs: 6 T K H I + 6 T H Is. Appends one JSON object per case
+to --jsonl (default bench/results/forward.jsonl).
+
+    python3 bench/forward.py [--commit SHA] [--cases substring] [--reps 20]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+from gemm import git_commit, rel_err, time_ms  # noqa: E402
+import mok  # noqa: E402
+
+MODELS = {  # name: (H, I, E, K, Is)
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 0),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8, 0),
+    "deepseek-v3": (7168, 2048, 256, 8, 2048),
+}
+T = 16384
+
+
+def torch_pipeline(x, idx, tw, wgu_t, wd_t, shared):
+    """y [T, H] bf16 of the MoE layer, plain PyTorch. wgu_t [E, H, 2I] and wd_t [E, I, H] are
+    transposed views of the Linear-layout weights, as torch._grouped_mm wants them."""
+    T_, K = idx.shape
+    E, I = wgu_t.shape[0], wd_t.shape[1]
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    gu = torch._grouped_mm(x[tok], wgu_t, offs=offs)                          # [R, 2I]
+    a = (F.silu(gu[:, :I].float()) * gu[:, I:].float() * tw.flatten()[order, None]).bfloat16()
+    yk = torch._grouped_mm(a, wd_t, offs=offs)                                # [R, H]
+    y = torch.zeros(T_, x.shape[1], device=x.device, dtype=torch.float32)
+    y.index_add_(0, tok, yk.float())
+    if shared is not None:
+        wsg, wsu, wsd = shared
+        as_ = (F.silu((x @ wsg.t()).float()) * (x @ wsu.t()).float()).bfloat16()
+        y += (as_ @ wsd.t()).float()
+    return y.bfloat16()
+
+
+def run_case(model, args, gen):
+    H, I, E, K, Is = MODELS[model]
+    dev = torch.device("cuda", 0)
+    x = (torch.randn(T, H, device=dev, generator=gen) * 0.5).bfloat16()
+    idx = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices.to(torch.int32)
+    tw = torch.softmax(torch.randn(T, K, device=dev, generator=gen), dim=1)
+    w = {"wg": (torch.randn(E, I, H, device=dev, generator=gen) * H ** -0.5).bfloat16(),
+         "wu": (torch.randn(E, I, H, device=dev, generator=gen) * H ** -0.5).bfloat16(),
+         "wd": (torch.randn(E, H, I, device=dev, generator=gen) * I ** -0.5).bfloat16()}
+    shared = None
+    if Is:
+        w["wsg"] = (torch.randn(Is, H, device=dev, generator=gen) * H ** -0.5).bfloat16()
+        w["wsu"] = (torch.randn(Is, H, device=dev, generator=gen) * H ** -0.5).bfloat16()
+        w["wsd"] = (torch.randn(H, Is, device=dev, generator=gen) * Is ** -0.5).bfloat16()
+        shared = (w["wsg"], w["wsu"], w["wsd"])
+    wgu_t = torch.cat([w["wg"], w["wu"]], dim=1).transpose(1, 2)             # [E, H, 2I] view
+    wd_t = w["wd"].transpose(1, 2)                                            # [E, I, H] view
+
+    layer = mok.Layer(H, I, E, K, max_tokens=T, shared_intermediate=Is, device="cuda:0")
+    y = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+    ctx = torch.empty(layer.context_bytes(), device=dev, dtype=torch.uint8)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+
+    def mok_fwd():
+        layer.forward(x, idx, tw, w, y, ctx, stream=stream)
+
+    def base():
+        return torch_pipeline(x, idx, tw, wgu_t, wd_t, shared)
+
+    mok_fwd()
+    layer.check()
+    err = rel_err(y, base())
+    row = {"bench": "forward", "case": f"{model}/T{T}", "device": torch.cuda.get_device_name(dev),
+           "baseline": "PyTorch pipeline: argsort + torch._grouped_mm + SwiGLU + index_add_",
+           "commit": git_commit(args.commit), "torch": torch.__version__,
+           "rel_err_vs_baseline": err, "mok_path": "unfused kernel chain (src/gpu_backend.c)"}
+    if not err < 1e-2:
+        row["wrong"] = True
+        print(f"{model}: WRONG, relative error {err:.3g} against the PyTorch pipeline")
+        return row
+    mok_ms, base_ms = time_ms([mok_fwd, base], args.warmup, args.reps)
+    layer.check()
+    flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
+    row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
+               tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9)
+    layer.close()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jsonl", default=os.path.join(HERE, "results", "forward.jsonl"))
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--cases", default="", help="run only models whose name contains this")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(2026)
+    rows = []
+    print(f"{'case':28s} {'mok ms':>8s} {'TF/s':>6s} {'torch ms':>9s} {'TF/s':>6s} {'ratio':>6s} {'rel err':>8s}")
+    for model in MODELS:
+        if args.cases not in model:
+            continue
+        r = run_case(model, args, gen)
+        rows.append(r)
+        if "mok_ms" in r:
+            print(f"{r['case']:28s} {r['mok_ms']:8.3f} {r['tflops']:6.0f} {r['baseline_ms']:9.3f} "
+                  f"{r['baseline_tflops']:6.0f} {r['ratio']:6.2f} {r['rel_err_vs_baseline']:8.2g}")
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
+    with open(args.jsonl, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return 1 if any(r.get("wrong") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
