@@ -6,8 +6,12 @@ Cases: the gate/up and down GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek
 tokens and top-k 8 (R = 131072 routed rows), balanced routing and skewed routing (4 experts take
 half of the rows); gate/up with MoK's fused SwiGLU epilogue against torch's plain GEMM; and the
 backward data-gradient GEMMs, whose weights are read N-major: ds = dy · Wd[e] (Wd [E, H, I]) and
-dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). The weight-gradient GEMMs (reduction over rows) are not
-implemented yet. fp8: the gate/up and down GEMMs with MoK's fp8-block path (1x128 activation and
+dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). Weight gradients (mok_grouped_wgrad_launch, the groups
+split the reduction over rows) for Qwen3-235B-A22B: dWd[e] = dy_eᵀ · a_e ([H, I]) and dWg[e] =
+dg_eᵀ · x_e ([I, H]), bf16 outputs, against torch._grouped_mm(dy.t(), a, offs) (its 2D x 2D form:
+offsets split the reduction, output [E, N, K]); when torch rejects that form, against a loop of
+torch.mm per expert (the row says which). Correctness of the weight gradients is checked against
+the torch.mm loop in every case. fp8: the gate/up and down GEMMs with MoK's fp8-block path (1x128 activation and
 128x128 weight scales) against torch._scaled_grouped_mm with rowwise scales (use_fast_accum=True),
 each on its own quantization of the same bf16 operands (group sizes rounded to multiples of 16).
 
@@ -55,10 +59,20 @@ class Params(ctypes.Structure):  # mok_grouped_gemm_params_t
                 ("a_scale", ctypes.c_void_p), ("b_scale", ctypes.c_void_p)]
 
 
+class WgradParams(ctypes.Structure):  # mok_grouped_wgrad_params_t
+    _fields_ = [("epilogue", ctypes.c_int), ("offsets_int64", ctypes.c_int),
+                ("num_groups", ctypes.c_int64), ("m_total", ctypes.c_int64),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("c", ctypes.c_void_p), ("num_sms", ctypes.c_int)]
+
+
 def load_lib(path):
     lib = ctypes.CDLL(path)
     lib.mok_grouped_gemm_launch.argtypes = [ctypes.POINTER(Params), ctypes.c_void_p]
     lib.mok_grouped_gemm_launch.restype = ctypes.c_int
+    lib.mok_grouped_wgrad_launch.argtypes = [ctypes.POINTER(WgradParams), ctypes.c_void_p]
+    lib.mok_grouped_wgrad_launch.restype = ctypes.c_int
     return lib
 
 
@@ -241,6 +255,112 @@ def run_case(lib, model, gemm, routing, args, gen):
     return row
 
 
+WGRAD_MODELS = ("qwen3-235b-a22b",)
+
+
+def run_case_wgrad(lib, model, gemm, routing, args, gen):
+    """Weight gradient C[e] [N, K] = A_eᵀ · B_e over the rows of expert e (A [R, N], B [R, K])."""
+    H, I, E = MODELS[model]
+    R = T * TOPK
+    dev = "cuda"
+    counts = counts_for(routing, R, E, gen)
+    ends = torch.cumsum(counts, 0)
+    offs_torch = ends.to(torch.int32).to(dev)                                # [E] ends
+    offs_mok = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(dev)
+    N, K = (H, I) if gemm == "wgrad_dwd" else (I, H)   # dWd: dy [R, H], a [R, I]; dWg: dg, x
+    a = (torch.randn(R, N, device=dev) * 0.5).to(torch.bfloat16)             # [R, N]
+    b = (torch.randn(R, K, device=dev) * 0.5).to(torch.bfloat16)             # [R, K]
+    out = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)             # [E, N, K]
+    out32 = torch.empty(E, N, K, device=dev, dtype=torch.float32)
+
+    p = WgradParams()
+    p.epilogue, p.offsets_int64 = EPI_STORE_BF16, 0
+    p.num_groups, p.m_total, p.n, p.k = E, R, N, K
+    p.a, p.b, p.offsets, p.c = a.data_ptr(), b.data_ptr(), offs_mok.data_ptr(), out.data_ptr()
+    p.num_sms = args.sms
+    p32 = WgradParams.from_buffer_copy(p)
+    p32.epilogue, p32.c = EPI_STORE_F32, out32.data_ptr()
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launcher(params):
+        def run():
+            rc = lib.mok_grouped_wgrad_launch(ctypes.byref(params), ctypes.c_void_p(stream))
+            if rc != 0:
+                raise RuntimeError(f"mok_grouped_wgrad_launch returned {rc}")
+        return run
+    mok, mok32 = launcher(p), launcher(p32)
+
+    def mok_direct():  # bf16 output stored from registers (MOK_GG_TMA_STORE=0), for the notes
+        old = os.environ.get("MOK_GG_TMA_STORE")
+        os.environ["MOK_GG_TMA_STORE"] = "0"
+        try:
+            mok()
+        finally:
+            if old is None:
+                del os.environ["MOK_GG_TMA_STORE"]
+            else:
+                os.environ["MOK_GG_TMA_STORE"] = old
+
+    bounds = [0] + ends.tolist()
+
+    def loop():  # one torch.mm per expert (cuBLAS), written into a preallocated [E, N, K]
+        for e in range(E):
+            lo, hi = bounds[e], bounds[e + 1]
+            torch.mm(a[lo:hi].t(), b[lo:hi], out=loop_out[e])
+    loop_out = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)
+
+    at = a.t()  # [N, R], column-major view
+
+    def grouped():
+        return torch._grouped_mm(at, b, offs=offs_torch)
+
+    # correctness against the torch.mm loop (poison first: every element must be written);
+    # direct stores must give the same bits as the staged ones
+    out.fill_(float("nan"))
+    mok_direct()
+    direct_out = out.clone()
+    out.fill_(float("nan"))
+    out32.fill_(float("nan"))
+    mok()
+    mok32()
+    loop()
+    torch.cuda.synchronize()
+    ref = loop_out
+    err = rel_err(out, ref)
+    err32 = rel_err(out32, ref)
+    nan = bool(torch.isnan(out.float()).any().item() or torch.isnan(out32).any().item())
+    same_bits = bool(torch.equal(direct_out.view(torch.int16), out.view(torch.int16)))
+    del direct_out
+    baseline, base, base_err = "torch._grouped_mm (2D x 2D, k-grouped)", grouped, None
+    try:
+        base_err = rel_err(grouped(), ref)
+        torch.cuda.synchronize()
+        if not base_err < 1e-2:
+            raise RuntimeError(f"torch._grouped_mm disagrees with the torch.mm loop: {base_err:.3g}")
+    except Exception as ex:  # report, never fake a number
+        baseline, base = f"loop of torch.mm per expert ({type(ex).__name__}: {ex})"[:300], loop
+    flops = 2.0 * R * N * K
+    row = {"bench": "gemm", "case": f"{model}/{gemm}/{routing}", "device":
+           torch.cuda.get_device_name(), "dtype": "bf16 in, bf16 out (mok_f32_ms: fp32 out)",
+           "M": R, "N": N, "K": K, "E": E, "rel_err_vs_baseline": err,
+           "rel_err_f32_vs_mm_loop": err32, "baseline_rel_err_vs_mm_loop": base_err,
+           "reference": "loop of torch.mm per expert (rel_err_vs_baseline is against it)",
+           "direct_equals_staged_bitwise": same_bits,
+           "baseline": baseline, "commit": args.commit_resolved, "torch": torch.__version__}
+    if nan or not err < 1e-2 or not err32 < 1e-2 or not same_bits:
+        row.update({"mok_ms": None, "baseline_ms": None, "ratio": None, "tflops": None,
+                    "baseline_tflops": None,
+                    "error": f"wrong result: rel err {err:.3g} (f32 {err32:.3g}), nan={nan}, "
+                             f"direct == staged: {same_bits}"})
+        return row
+    mok_ms, base_ms, mok32_ms, direct_ms = time_ms([mok, base, mok32, mok_direct], args.warmup,
+                                                   args.reps)
+    row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
+                "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9,
+                "mok_f32_ms": mok32_ms, "mok_direct_store_ms": direct_ms})
+    return row
+
+
 E4M3_MAX = 448.0
 
 
@@ -386,6 +506,26 @@ def main():
                           f"ratio {row['ratio']:.3f} | err {row['rel_err_vs_baseline']:.2e}" +
                           "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items()
                                   if k in variants_names),
+                          flush=True)
+    for model in WGRAD_MODELS:
+        for gemm in ("wgrad_dwd", "wgrad_dwg"):
+            for routing in ("balanced", "skewed"):
+                name = f"{model}/{gemm}/{routing}"
+                if args.cases and args.cases not in name:
+                    continue
+                row = run_case_wgrad(lib, model, gemm, routing, args, gen)
+                rows.append(row)
+                torch.cuda.empty_cache()
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if row["mok_ms"] is None:
+                    print(f"{name:44s} {row['error']}", flush=True)
+                else:
+                    print(f"{name:44s} mok {row['mok_ms']:7.3f} ms {row['tflops']:6.1f} TF/s | "
+                          f"torch {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s | "
+                          f"ratio {row['ratio']:.3f} | err {row['rel_err_vs_baseline']:.2e} | "
+                          f"mok fp32 out {row['mok_f32_ms']:.3f} ms | mok direct stores "
+                          f"{row['mok_direct_store_ms']:.3f} ms | baseline {row['baseline']}",
                           flush=True)
     if not args.no_fp8:
         for model in MODELS:

@@ -215,7 +215,8 @@ __device__ __forceinline__ uint64_t ptx_desc_kmajor_sw128(const void *tile) {
 // [k rows][128 bytes] with the 128-byte swizzle (TMA box [k, 64] of a [K, MN] row-major tensor).
 // Swizzle atoms are 8 k-rows x 64 MN-elements (1024 bytes): stride byte offset = 1024 between
 // atoms along K, leading byte offset = chunk_bytes between atoms along MN. One k16 step is two
-// atoms: add (2048 >> 4) to the start address.
+// atoms: add (2048 >> 4) to the start address. Serves the B operand of the data-gradient GEMM and
+// both operands of the weight-gradient GEMM (an m64 A tile is one atom wide: LBO unused).
 __device__ __forceinline__ uint64_t ptx_desc_mnmajor_sw128(const void *tile, uint32_t chunk_bytes) {
   uint64_t addr = ptx_smem_addr(tile);
   uint64_t desc = 0;
@@ -242,10 +243,13 @@ __device__ __forceinline__ void ptx_fence_operand(float &r) { asm volatile("" : 
 
 // D[64, 256] (+)= A[64, 16] * B[256, 16]^T, bf16 operands from shared memory, fp32 accumulators.
 // TRANS_B = 0: B tile K-major ([N][K] rows); 1: B tile MN-major ([K][N] rows), bf16 only.
-template <int TRANS_B>
+// TRANS_A likewise for A: 0 = K-major ([M][K] rows), 1 = MN-major ([K][M] rows, the weight-gradient
+// GEMM, whose reduction runs over the outer dimension of both operands).
+template <int TRANS_B, int TRANS_A = 0>
 __device__ __forceinline__ void ptx_wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a,
                                                           uint64_t desc_b, int scale_d) {
   static_assert(TRANS_B == 0 || TRANS_B == 1, "transpose flag");
+  static_assert(TRANS_A == 0 || TRANS_A == 1, "transpose flag");
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %130, 0;\n"
@@ -258,7 +262,7 @@ __device__ __forceinline__ void ptx_wgmma_m64n256k16_bf16(float (&d)[128], uint6
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      "}, %128, %129, p, 1, 1, %132, %131;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -275,7 +279,7 @@ __device__ __forceinline__ void ptx_wgmma_m64n256k16_bf16(float (&d)[128], uint6
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
 }
 
 // D[64, 128] (+)= A[64, 32] * B[128, 32]^T, e4m3 operands from shared memory, fp32 accumulators.

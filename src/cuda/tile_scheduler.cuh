@@ -17,6 +17,9 @@
  * offsets array can make results wrong but never makes the kernel touch rows outside [0, m_total).
  * A row tile that starts past its group's end (odd row-tile count, CLUSTER = 2) is still computed,
  * to keep the cluster in step, but none of its rows is stored.
+ *
+ * The second order below (gw_sched_*) is the k-grouped one of the weight-gradient GEMM, where the
+ * groups split the reduction instead of the output rows.
  */
 #ifndef MOK_CUDA_TILE_SCHEDULER_CUH
 #define MOK_CUDA_TILE_SCHEDULER_CUH
@@ -101,6 +104,80 @@ __device__ __forceinline__ int gg_sched_next(gg_sched_t *s, gg_tile_t *t) {
   t->row0 = s->lo + m_blk * s->unit_rows + s->row_offset;
   t->row_end = s->hi;
   t->n0 = n_blk * s->bn;
+  return 1;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* k-grouped order (weight gradients)                                                              */
+/* ---------------------------------------------------------------------------------------------- */
+// The weight-gradient GEMM C[g] [N, K] = A_gᵀ · B_g reduces over the rows of group g, so every
+// group has the same output tiles whatever its row count (an empty group still owns its tiles:
+// they store zeros). Tile t = (group, row tile of C[g], column tile of C[g]) with the column tile
+// fastest; CTA b takes tiles b, b + grid, b + 2 grid, ... Consecutive CTAs thus work on the same
+// group at the same time, which keeps A_g and B_g in L2. A tile's reduction runs over all rows of
+// its group in order, inside one CTA: one writer and one summation order per output element.
+
+typedef struct {
+  int group;    // expert g
+  int row0;     // first reduced row (of A and B): offsets[g], clamped
+  int rows;     // rows of group g (0: an empty group)
+  int c_row0;   // first row of the tile in C[g] (a column of A)
+  int c_col0;   // first column of the tile in C[g] (a column of B)
+} gw_tile_t;
+
+typedef struct {
+  const void *offsets;   // [G + 1] int32 or int64, device memory
+  int offsets_int64;
+  int64_t m_total;
+  int m_tiles, n_tiles;  // row and column tiles of one C[g]
+  int bm, bn;            // tile shape in C[g]
+  int next, stride, total;
+  int group;             // cached group and its rows [lo, hi)
+  int lo, hi;
+} gw_sched_t;
+
+__device__ __forceinline__ gw_sched_t gw_sched_init(const void *offsets, int offsets_int64,
+                                                    int num_groups, int64_t m_total, int m_tiles,
+                                                    int n_tiles, int bm, int bn) {
+  gw_sched_t s;
+  s.offsets = offsets;
+  s.offsets_int64 = offsets_int64;
+  s.m_total = m_total;
+  s.m_tiles = m_tiles;
+  s.n_tiles = n_tiles;
+  s.bm = bm;
+  s.bn = bn;
+  s.next = blockIdx.x;
+  s.stride = gridDim.x;
+  s.total = num_groups * m_tiles * n_tiles;  // < 2^31: checked by the launcher
+  s.group = -1;
+  s.lo = s.hi = 0;
+  return s;
+}
+
+// The next tile of this CTA, or 0 when it has none left.
+__device__ __forceinline__ int gw_sched_next(gw_sched_t *s, gw_tile_t *t) {
+  if (s->next >= s->total) return 0;
+  const int idx = s->next;
+  s->next += s->stride;
+  const int per_group = s->m_tiles * s->n_tiles;
+  const int g = idx / per_group;
+  const int local = idx - g * per_group;
+  const int m_blk = local / s->n_tiles;
+  if (g != s->group) {  // same clamping as gg_sched_next: never a row outside [0, m_total)
+    int64_t lo = gg_load_offset(s->offsets, s->offsets_int64, g);
+    int64_t hi = gg_load_offset(s->offsets, s->offsets_int64, g + 1);
+    lo = lo < 0 ? 0 : (lo > s->m_total ? s->m_total : lo);
+    hi = hi < lo ? lo : (hi > s->m_total ? s->m_total : hi);
+    s->group = g;
+    s->lo = (int)lo;
+    s->hi = (int)hi;
+  }
+  t->group = g;
+  t->row0 = s->lo;
+  t->rows = s->hi - s->lo;
+  t->c_row0 = m_blk * s->bm;
+  t->c_col0 = (local - m_blk * s->n_tiles) * s->bn;
   return 1;
 }
 
