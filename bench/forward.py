@@ -5,8 +5,10 @@ pipeline, in the same process on the same inputs.
 The PyTorch pipeline (written here, the usual way): sort the routed (token, slot) pairs by expert,
 gather the token rows, torch._grouped_mm with the concatenated gate and up weights, SwiGLU with
 the router weight in fp32, torch._grouped_mm with the down weights, index_add_ into an fp32
-output, plus the shared expert as dense matmuls; y in bf16. MoK runs what mok_forward runs today
-(the unfused kernel chain of src/gpu_backend.c; the persistent kernel will replace it).
+output, plus the shared expert as dense matmuls; y in bf16. MoK runs what mok_forward and mok_backward
+run today (the unfused kernel chains of src/gpu_backend.c and src/gpu_backward.c; the persistent
+kernels will replace them). Each model also gets a forward + backward case against the pipeline
+under torch.autograd (FLOPs 3x the forward's).
 
 Shapes: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 (with its shared expert), T = 16384 tokens,
 top-8 routing drawn uniformly at random. Each case first checks MoK's y against the pipeline's
@@ -98,14 +100,61 @@ def run_case(model, args, gen):
     if not err < 1e-2:
         row["wrong"] = True
         print(f"{model}: WRONG, relative error {err:.3g} against the PyTorch pipeline")
-        return row
+        return [row]
     mok_ms, base_ms = time_ms([mok_fwd, base], args.warmup, args.reps)
     layer.check()
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9)
+    rows = [row]
+
+    # Forward + backward: mok_forward + mok_backward (fp32 weight gradients) against the same
+    # pipeline under torch.autograd (leaves x, topk_w and the weights; the gate/up concatenation
+    # is inside the timed region, as in a training step that keeps separate weights).
+    dy = (torch.randn(T, H, device=dev, generator=gen) * 0.1).bfloat16()
+    grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(tw)}
+    for k, v in w.items():
+        grads["d" + k] = torch.empty(v.shape, device=dev, dtype=torch.float32)
+    leaves = {k: v.detach().requires_grad_() for k, v in w.items()}
+    xl, twl = x.detach().requires_grad_(), tw.detach().requires_grad_()
+
+    def mok_step():
+        layer.forward(x, idx, tw, w, y, ctx, stream=stream)
+        layer.backward(x, idx, tw, w, ctx, dy, grads, stream=stream)
+
+    def base_step():
+        for t in [xl, twl, *leaves.values()]:
+            t.grad = None
+        sh = (leaves["wsg"], leaves["wsu"], leaves["wsd"]) if Is else None
+        wgu = torch.cat([leaves["wg"], leaves["wu"]], dim=1).transpose(1, 2)
+        torch_pipeline(xl, idx, twl, wgu, leaves["wd"].transpose(1, 2), sh).backward(dy)
+
+    try:
+        mok_step()
+        layer.check()
+        base_step()
+    except torch.cuda.OutOfMemoryError as e:  # DeepSeek-V3's fp32 weight gradients are 45 GB
+        print(f"{model} fwd+bwd: skipped, out of device memory ({str(e).splitlines()[0]})")
+        layer.close()
+        return rows
+    errs = {"dx": rel_err(grads["dx"], xl.grad), "dtopk_w": rel_err(grads["dtopk_w"], twl.grad),
+            "dwd": rel_err(grads["dwd"], leaves["wd"].grad.float()),
+            "dwg": rel_err(grads["dwg"], leaves["wg"].grad.float())}
+    brow = dict(row, case=f"{model}/T{T}/fwd+bwd", rel_err_vs_baseline=max(errs.values()),
+                rel_errs=errs, baseline=row["baseline"] + ", torch.autograd backward")
+    for k in ("mok_ms", "baseline_ms", "ratio", "tflops", "baseline_tflops"):
+        brow.pop(k, None)
+    if not max(errs.values()) < 2e-2:
+        brow["wrong"] = True
+        print(f"{model} fwd+bwd: WRONG, relative errors {errs}")
+    else:
+        mok_ms, base_ms = time_ms([mok_step, base_step], args.warmup, args.reps)
+        layer.check()
+        brow.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
+                    tflops=3 * flops / mok_ms * 1e-9, baseline_tflops=3 * flops / base_ms * 1e-9)
+    rows.append(brow)
     layer.close()
-    return row
+    return rows
 
 
 def main():
@@ -122,16 +171,15 @@ def main():
     for model in MODELS:
         if args.cases not in model:
             continue
-        r = run_case(model, args, gen)
-        rows.append(r)
-        if "mok_ms" in r:
-            print(f"{r['case']:28s} {r['mok_ms']:8.3f} {r['tflops']:6.0f} {r['baseline_ms']:9.3f} "
-                  f"{r['baseline_tflops']:6.0f} {r['ratio']:6.2f} {r['rel_err_vs_baseline']:8.2g}")
+        for r in run_case(model, args, gen):
+            rows.append(r)
+            os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
+            with open(args.jsonl, "a") as f:  # row by row: a later failure keeps what was measured
+                f.write(json.dumps(r) + "\n")
+            if "mok_ms" in r:
+                print(f"{r['case']:28s} {r['mok_ms']:8.3f} {r['tflops']:6.0f} {r['baseline_ms']:9.3f} "
+                      f"{r['baseline_tflops']:6.0f} {r['ratio']:6.2f} {r['rel_err_vs_baseline']:8.2g}")
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(args.jsonl), exist_ok=True)
-    with open(args.jsonl, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
     return 1 if any(r.get("wrong") for r in rows) else 0
 
 

@@ -170,7 +170,7 @@ mokResult_t mok_layer_destroy(mok_layer_t layer);
 const char *mok_layer_last_error(mok_layer_t layer);
 /* Reports an error found asynchronously by a kernel of this layer (MOK_SUCCESS when none) and
  * clears it. Like ncclCommGetAsyncError; synchronizes with the stream of the layer's last
- * forward (which must still exist and must not be capturing a graph when this is called).
+ * forward or backward (which must still exist and must not be capturing a graph when this is called).
  * On a GPU layer, mok_forward returns once its kernels are enqueued, so bad routing (an id
  * outside [-1, E), an expert twice in a token) and capacity overflow surface only here: the
  * forward that met them computes nothing (y is left as it was, and its context is marked as

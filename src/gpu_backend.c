@@ -260,6 +260,15 @@ mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
   return r;
 }
 
+/* ---- for the backward (src/gpu_backward.c) ---------------------------------------------------- */
+
+void *mok_gpu_workspace(mok_layer_t l) { return l->gpu ? l->gpu->ws : NULL; }
+
+void mok_gpu_track_stream(mok_layer_t l, mok_stream_t stream) {
+  l->gpu->last_stream = stream;
+  l->gpu->ran = 1;
+}
+
 /* ---- asynchronous errors ---------------------------------------------------------------------- */
 
 mokResult_t mok_gpu_check(mok_layer_t l) {
@@ -291,6 +300,18 @@ mokResult_t mok_gpu_check(mok_layer_t l) {
                    "nothing and left y unchanged",
                    (long long)e.value, (long long)e.limit, l->d.capacity_factor,
                    (long long)l->d.max_tokens, (long long)l->d.top_k);
+  else if (e.kind == MOK_WS_ERR_CONTEXT)
+    res = mok_fail(l, MOK_ERROR_CONTEXT_MISMATCH,
+                   "mok_backward: ctx was not written by a good forward of this layer with these "
+                   "args (%s; the context's forward had %lld tokens); that backward computed "
+                   "nothing and left dx and dtopk_w unchanged (weight gradients: zeroed when "
+                   "overwritten, unchanged when accumulated)",
+                   e.value == MOK_WS_CTX_MAGIC     ? "its forward did not complete with valid routing"
+                   : e.value == MOK_WS_CTX_LAYER   ? "another layer wrote it"
+                   : e.value == MOK_WS_CTX_TOKENS  ? "other number of tokens"
+                   : e.value == MOK_WS_CTX_ROUTING ? "other topk_idx"
+                                                   : "other context mode",
+                   (long long)e.token);
   else
     res = mok_fail(l, e.code > 0 && e.code < MOK_NUM_RESULTS ? (mokResult_t)e.code
                                                              : MOK_ERROR_INTERNAL,
@@ -319,5 +340,7 @@ mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
   return mok_fail(l, MOK_ERROR_NO_DEVICE, "this build of MoK has no CUDA support");
 }
 mokResult_t mok_gpu_check(mok_layer_t l) { (void)l; return MOK_SUCCESS; }
+void *mok_gpu_workspace(mok_layer_t l) { (void)l; return NULL; }
+void mok_gpu_track_stream(mok_layer_t l, mok_stream_t stream) { (void)l, (void)stream; }
 
 #endif /* MOK_WITH_CUDA */

@@ -2,8 +2,8 @@
  * layer.c: the layer handle: descriptor validation, create/destroy, size queries, argument
  * validation shared by both backends, and the dispatch of forward/backward/quantize to the backend
  * chosen by the communicator's device (MOK_DEVICE_CPU: the plain-C reference, src/cpu_backend.c;
- * a GPU: src/gpu_backend.c, whose forward runs W = 1 BF16 layers; the rest reports
- * MOK_ERROR_NOT_IMPLEMENTED until it lands).
+ * a GPU: src/gpu_backend.c and src/gpu_backward.c, which run W = 1 BF16 layers; the rest
+ * reports MOK_ERROR_NOT_IMPLEMENTED until it lands).
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -211,13 +211,6 @@ mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
 
 /* ---- calls ------------------------------------------------------------------------------------ */
 
-static mokResult_t gpu_not_yet(mok_layer_t l, const char *what) {
-  return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                  "%s on GPU %d: the CUDA kernels are not implemented yet in this version; create "
-                  "the communicator on MOK_DEVICE_CPU for the reference backend",
-                  what, l->comm->device);
-}
-
 mokResult_t mok_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
                         mok_stream_t stream) {
   if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_forward: layer is NULL");
@@ -232,7 +225,7 @@ mokResult_t mok_backward(mok_layer_t l, const mok_forward_args_t *a, const mok_b
   if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_backward: layer is NULL");
   mokResult_t r = mok_check_backward_args(l, a, g, ctx, stream);
   if (r != MOK_SUCCESS) return r;
-  if (is_gpu(l)) return gpu_not_yet(l, "mok_backward");
+  if (is_gpu(l)) return mok_gpu_backward(l, a, g, ctx, stream);
   return mok_cpu_backward(l, a, g, ctx);
 }
 

@@ -109,6 +109,13 @@ size_t mok_gpu_context_bytes(mok_layer_t l);
 mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
                             mok_stream_t stream);
 mokResult_t mok_gpu_check(mok_layer_t l);
+/* GPU backward (src/gpu_backward.c), W = 1 BF16 like the forward. */
+mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
+                             const mok_backward_args_t *g, const void *ctx, mok_stream_t stream);
+/* For src/gpu_backward.c: the layer's device workspace (NULL when the layer cannot run), and
+ * the stream of a call, which mok_layer_check then synchronizes with. */
+void *mok_gpu_workspace(mok_layer_t l);
+void mok_gpu_track_stream(mok_layer_t l, mok_stream_t stream);
 
 /* CUDA helpers (src/cuda_host.c); without CUDA they report MOK_ERROR_NO_DEVICE. */
 mokResult_t mok_cuda_device_count(int *count);

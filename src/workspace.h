@@ -17,6 +17,20 @@
  *   a              [R, I] bf16         bf16(w · silu(g) · u)
  *   as             [T_max, Is] bf16    shared-expert activations
  *   ys             [T_max, H] fp32     shared-expert output
+ * Backward only (src/gpu_backward.c; forward's regions above are reused as scratch: xg holds the
+ * re-gathered x rows, a and as the backward's a = bf16(w · s), ys the shared dxs):
+ *   dyg            [R, H] bf16         gathered dy rows, expert order
+ *   ds             [R, I] fp32         dy_g · Wd[e]: gradient w.r.t. a
+ *   dg, du         [R, I] bf16         SwiGLU backward
+ *   dxk            [R, H] fp32         dg · Wg[e] + du · Wu[e], rounded to bf16 by the dx reduce
+ *   dw_row         [R] fp32            Σ_i ds_i · s_i of each row (dtopk_w in expert order)
+ *   dss            [T_max, Is] fp32    shared dy · Wsd
+ *   dgs, dus       [T_max, Is] bf16    shared SwiGLU backward
+ *   dxs            [T_max, H] fp32     shared dgs · Wsg + dus · Wsu; NOTE: aliases ys
+ *   g, u           [R, I] bf16         RECOMPUTE mode only: recomputed bf16 g, u
+ *   gs, us         [T_max, Is] bf16    RECOMPUTE mode only
+ *   wgrad32        [wgrad_stage] fp32  bf16 weight gradients accumulated (wgrad_accumulate = 1)
+ *                                      only: one fp32 gradient before bf16(old + g); else empty
  *
  * Context (the caller's, mok_context_size bytes; written by forward, read by backward):
  *   header         mok_ctx_header_t    magic (0 when the call's routing was invalid), layer id, T,
@@ -47,8 +61,19 @@
 typedef enum {
   MOK_WS_ERR_ID_RANGE = 1, /* topk_idx[token][slot] = value is outside [-1, limit = E) */
   MOK_WS_ERR_REPEAT = 2,   /* topk_idx[token][slot] = value, already used by slot `limit` */
-  MOK_WS_ERR_CAPACITY = 3  /* value routed rows, capacity limit rows */
+  MOK_WS_ERR_CAPACITY = 3, /* value routed rows, capacity limit rows */
+  MOK_WS_ERR_CONTEXT = 4   /* backward: the context's header differs in field `value`
+                              (mok_ws_ctx_field_t); token = the header's num_tokens */
 } mok_ws_err_kind_t;
+
+/* Which field of the context header told a backward that its context does not match. */
+typedef enum {
+  MOK_WS_CTX_MAGIC = 1,   /* not written by a forward that completed with valid routing */
+  MOK_WS_CTX_LAYER = 2,   /* written by another layer */
+  MOK_WS_CTX_TOKENS = 3,  /* written for another number of tokens */
+  MOK_WS_CTX_ROUTING = 4, /* written for other topk_idx */
+  MOK_WS_CTX_MODE = 5     /* written in another context mode */
+} mok_ws_ctx_field_t;
 
 typedef struct {
   int32_t code; /* mokResult_t; 0 while there is none */
@@ -60,6 +85,9 @@ typedef struct {
 typedef enum {
   MOK_WS_ERROR = 0, MOK_WS_STATUS, MOK_WS_OFFSETS, MOK_WS_SHARED_OFFSETS, MOK_WS_SLOT_ROW,
   MOK_WS_ROW_W, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
+  /* backward */
+  MOK_WS_DYG, MOK_WS_DS, MOK_WS_DG, MOK_WS_DU, MOK_WS_DXK, MOK_WS_DW_ROW, MOK_WS_DSS, MOK_WS_DGS,
+  MOK_WS_DUS, MOK_WS_DXS, MOK_WS_G, MOK_WS_U, MOK_WS_GS, MOK_WS_US, MOK_WS_WGRAD32,
   MOK_WS_COUNT
 } mok_ws_region_t;
 
@@ -74,6 +102,7 @@ typedef struct {
   int64_t T_max, H, I, Is, E, K;
   int64_t R;    /* capacity_rows */
   int save;     /* context_mode == MOK_CONTEXT_SAVE */
+  int64_t wgrad_stage; /* fp32 elements of the wgrad32 region (0: bf16 gradients not accumulated) */
 } mok_ws_dims_t;
 
 typedef struct {
@@ -99,6 +128,22 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_A] = off, off = mok_ws_align(off + R * I * 2);
   l->ws[MOK_WS_AS] = off, off = mok_ws_align(off + T * Is * 2);
   l->ws[MOK_WS_YS] = off, off = mok_ws_align(off + (Is > 0 ? T * H * 4 : 0));
+  l->ws[MOK_WS_DYG] = off, off = mok_ws_align(off + R * H * 2);
+  l->ws[MOK_WS_DS] = off, off = mok_ws_align(off + R * I * 4);
+  l->ws[MOK_WS_DG] = off, off = mok_ws_align(off + R * I * 2);
+  l->ws[MOK_WS_DU] = off, off = mok_ws_align(off + R * I * 2);
+  l->ws[MOK_WS_DXK] = off, off = mok_ws_align(off + R * H * 4);
+  l->ws[MOK_WS_DW_ROW] = off, off = mok_ws_align(off + R * 4);
+  l->ws[MOK_WS_DSS] = off, off = mok_ws_align(off + T * Is * 4);
+  l->ws[MOK_WS_DGS] = off, off = mok_ws_align(off + T * Is * 2);
+  l->ws[MOK_WS_DUS] = off, off = mok_ws_align(off + T * Is * 2);
+  l->ws[MOK_WS_DXS] = l->ws[MOK_WS_YS];
+  const size_t rec = d->save ? 0 : 1; /* recomputed g, u live in the workspace */
+  l->ws[MOK_WS_G] = off, off = mok_ws_align(off + rec * R * I * 2);
+  l->ws[MOK_WS_U] = off, off = mok_ws_align(off + rec * R * I * 2);
+  l->ws[MOK_WS_GS] = off, off = mok_ws_align(off + rec * T * Is * 2);
+  l->ws[MOK_WS_US] = off, off = mok_ws_align(off + rec * T * Is * 2);
+  l->ws[MOK_WS_WGRAD32] = off, off = mok_ws_align(off + (size_t)d->wgrad_stage * 4);
   l->ws_bytes = off;
 
   off = 0;
@@ -126,6 +171,12 @@ MOK_WS_FN mok_ws_dims_t mok_ws_dims(const mok_layer_desc_t *desc, int64_t EL, in
   d.K = desc->top_k;
   d.R = capacity_rows;
   d.save = desc->context_mode == MOK_CONTEXT_SAVE;
+  /* bf16(old + g) needs g in fp32 first: one weight at a time, the largest of them */
+  const int64_t routed = EL * desc->intermediate * desc->hidden,
+                shared = desc->shared_intermediate * desc->hidden;
+  d.wgrad_stage = desc->wgrad_dtype == MOK_WGRAD_BF16 && desc->wgrad_accumulate
+                      ? (routed > shared ? routed : shared)
+                      : 0;
   return d;
 }
 

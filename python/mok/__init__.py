@@ -7,7 +7,7 @@ Two levels:
   torch.autograd (imported lazily, so numpy-only users never need torch).
 
 A layer on device "cpu" runs the plain-C reference backend; on a CUDA device the GPU backend,
-whose forward runs BF16 layers and which reports NOT_IMPLEMENTED for backward (and fp8 forward)
+which runs forward and backward of BF16 layers (W = 1) and reports NOT_IMPLEMENTED for fp8
 until those kernels land.
 """
 import ctypes

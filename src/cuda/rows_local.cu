@@ -10,6 +10,7 @@
  *
  * One warp per token, 16-byte loads and stores (H % 128 == 0, so every row is 16-byte aligned).
  * Both kernels return at once when the call's status (written by the layout kernel) is 0.
+ * The backward's dx reduce (the same shape, bf16-rounded fp32 rows in) is the last section.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -141,4 +142,70 @@ extern "C" mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, vo
   const unsigned blocks = (unsigned)((p->T + RL_WARPS - 1) / RL_WARPS);
   rl_reduce_kernel<<<blocks, RL_THREADS, 0, (cudaStream_t)stream>>>(*p);
   return rl_launched("reduce");
+}
+
+/* ============================================================================================== */
+/* Layer backward: the dx reduce (launch.h, "Layer backward")                                      */
+/* ============================================================================================== */
+/*
+ *   dx[t] = bf16( dxs[t] + bf16(dxk[row(t, 0)]) + ... + bf16(dxk[row(t, K-1)]) )
+ *   dtopk_w[t, k] = dw_row[row(t, k)], 0 for an empty slot
+ *
+ * DESIGN.md section 2: each slot's dxk is rounded to bf16 (as on its expert's rank), the shared
+ * expert's dxs is not; an fp32 sum in slot order starting from dxs (or 0), the additions of
+ * src/cpu/ref_backward.c in its order. The gathers of x and dy are the forward's gather kernel.
+ */
+
+// The rows of token t's slots (from the context) into this warp's smem array rows [K].
+__device__ __forceinline__ int rl_bwd_token_rows(const mok_bwd_local_params_t &p, int64_t t,
+                                                 int32_t *rows) {
+  if (t >= p.T) return 0;
+  for (int64_t k = threadIdx.x & 31; k < p.K; k += 32) rows[k] = p.ctx_slot_row[t * p.K + k];
+  __syncwarp();
+  return 1;
+}
+
+__global__ void __launch_bounds__(RL_THREADS)
+    rl_dx_reduce_kernel(const __grid_constant__ mok_bwd_local_params_t p) {
+  __shared__ int32_t s_rows[RL_WARPS][MOK_FWD_MAX_TOP_K];
+  if (*p.status == 0) return;  // a context that does not match: dx, dtopk_w stay as they were
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
+  int32_t *rows = s_rows[warp];
+  if (!rl_bwd_token_rows(p, t, rows)) return;
+  const int64_t K = p.K, H4 = p.H / 4;  // 4-column chunks per row
+  for (int64_t k = lane; k < K; k += 32) p.dtopk_w[t * K + k] = rows[k] >= 0 ? p.dw_row[rows[k]] : 0.0f;
+  const float4 *dxk = (const float4 *)p.dxk;                     // [R, H / 4]
+  const float4 *dxs = p.dxs ? (const float4 *)p.dxs + t * H4 : NULL;  // [H / 4] of token t
+  uint2 *dx = (uint2 *)p.dx + t * H4;                            // [H / 4] of token t
+  for (int64_t c = lane; c < H4; c += 32) {
+    float4 acc = dxs ? dxs[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
+      const int32_t r = rows[k];
+      if (r < 0) continue;
+      const float4 v = dxk[(int64_t)r * H4 + c];
+      acc.x = __fadd_rn(acc.x, __bfloat162float(__float2bfloat16_rn(v.x)));
+      acc.y = __fadd_rn(acc.y, __bfloat162float(__float2bfloat16_rn(v.y)));
+      acc.z = __fadd_rn(acc.z, __bfloat162float(__float2bfloat16_rn(v.z)));
+      acc.w = __fadd_rn(acc.w, __bfloat162float(__float2bfloat16_rn(v.w)));
+    }
+    uint2 out;
+    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
+    o[0] = __floats2bfloat162_rn(acc.x, acc.y);
+    o[1] = __floats2bfloat162_rn(acc.z, acc.w);
+    dx[c] = out;
+  }
+}
+
+extern "C" mokResult_t mok_bwd_reduce_launch(const mok_bwd_local_params_t *p, void *stream) {
+  if (!p || !p->status || (p->T > 0 && (!p->ctx_slot_row || !p->dxk || !p->dw_row || !p->dx ||
+                                        !p->dtopk_w)))
+    return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "dx reduce launch: NULL buffer");
+  if (p->K < 1 || p->K > MOK_FWD_MAX_TOP_K || p->H < 8 || p->H % 8 || p->T < 0)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "dx reduce launch: K = %lld, H = %lld, T = %lld",
+                    (long long)p->K, (long long)p->H, (long long)p->T);
+  if (p->T == 0) return MOK_SUCCESS;
+  const unsigned blocks = (unsigned)((p->T + RL_WARPS - 1) / RL_WARPS);
+  rl_dx_reduce_kernel<<<blocks, RL_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return rl_launched("dx reduce");
 }

@@ -1,0 +1,374 @@
+/*
+ * backward_test_util.cuh: helpers of the GPU backward tests (test_backward.cu): a layer problem
+ * with dy and the weight-gradient settings, the CPU layer's forward + backward on it (the
+ * reference), a GPU layer with its gradient buffers, and the elementwise comparison with its
+ * stated tolerance. Builds on forward_test_util.cuh. Header-only, static.
+ */
+#ifndef MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
+#define MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
+
+#include "forward_test_util.cuh"
+
+enum { BWD_NW = 6 };  // weight gradients: wg, wu, wd, wsg, wsu, wsd
+static const char *const bwd_w_name[BWD_NW] = {"dwg", "dwu", "dwd", "dwsg", "dwsu", "dwsd"};
+
+typedef struct {
+  fwd_problem_t f;
+  std::vector<uint16_t> dy;            // [T_max, H] bf16
+  mok_wgrad_dtype_t wdt;
+  int accumulate;
+  std::vector<uint8_t> dw0[BWD_NW];    // starting weight gradients (accumulate), in wdt
+} bwd_problem_t;
+
+typedef struct {
+  std::vector<uint16_t> dx;            // [T, H]
+  std::vector<float> dtw;              // [T, K]
+  std::vector<uint8_t> dw[BWD_NW];     // in wdt
+} bwd_out_t;
+
+// Elements of weight gradient i.
+static int64_t bwd_w_elems(const bwd_problem_t *p, int i) {
+  const fwd_problem_t &f = p->f;
+  return i < 3 ? f.E * f.I * f.H : f.Is * f.H;
+}
+static size_t bwd_w_bytes(const bwd_problem_t *p, int i) {
+  return (size_t)bwd_w_elems(p, i) * (p->wdt == MOK_WGRAD_BF16 ? 2 : 4);
+}
+
+// The forward problem of forward_test_util.cuh plus dy ~ U(-1, 1); fp32 weight gradients,
+// overwritten.
+static void bwd_problem_init(bwd_problem_t *p, int64_t H, int64_t I, int64_t E, int64_t K,
+                             int64_t Is, int64_t T, int64_t T_max) {
+  fwd_problem_init(&p->f, H, I, E, K, Is, T, T_max);
+  p->dy.resize((size_t)(T_max * H));
+  fill_bf16(p->dy, 1.0f);
+  p->wdt = MOK_WGRAD_FP32;
+  p->accumulate = 0;
+}
+
+// Sets the weight-gradient dtype and mode, with fresh starting gradients ~ U(-2, 2), about the
+// size of one call's gradients, so that both terms of an accumulation show.
+static void bwd_set_wgrad(bwd_problem_t *p, mok_wgrad_dtype_t wdt, int accumulate) {
+  p->wdt = wdt;
+  p->accumulate = accumulate;
+  for (int i = 0; i < BWD_NW; i++) {
+    const int64_t n = bwd_w_elems(p, i);
+    p->dw0[i].assign(bwd_w_bytes(p, i), 0);
+    for (int64_t j = 0; j < n; j++) {
+      const float v = 2.0f * rnd_unit();
+      if (wdt == MOK_WGRAD_BF16) ((uint16_t *)p->dw0[i].data())[j] = f2bf(v);
+      else ((float *)p->dw0[i].data())[j] = v;
+    }
+  }
+}
+
+static mok_layer_desc_t bwd_desc(const bwd_problem_t *p) {
+  mok_layer_desc_t d = fwd_desc(&p->f, p->f.Is, p->f.T_max);
+  d.wgrad_dtype = p->wdt;
+  d.wgrad_accumulate = p->accumulate;
+  return d;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The CPU layer (reference)                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Forward then backward of the CPU layer on p's first T tokens; weight gradients start from dw0
+// when accumulating.
+// Copies the GPU forward's saved bf16 g, u (layout order) and gs, us into a CPU context
+// (header, then g, u [T_max * K, I] in (token, slot) order, then gs, us [T_max, Is]).
+static void bwd_inject_saved(const bwd_problem_t *p, const std::vector<uint8_t> &gpu_ctx, void *cpu_ctx) {
+  const fwd_problem_t &f = p->f;
+  const mok_ws_layout_t lay = fwd_ctx_layout(&f);
+  const int64_t TK = f.T_max * f.K, I = f.I, Is = f.Is;
+  const int32_t *slot_row = (const int32_t *)(gpu_ctx.data() + lay.ctx[MOK_CTX_SLOT_ROW]);
+  const uint16_t *gg = (const uint16_t *)(gpu_ctx.data() + lay.ctx[MOK_CTX_G]);
+  const uint16_t *gu = (const uint16_t *)(gpu_ctx.data() + lay.ctx[MOK_CTX_U]);
+  uint16_t *cg = (uint16_t *)((char *)cpu_ctx + sizeof(mok_ctx_header_t));
+  uint16_t *cu = cg + TK * I, *cgs = cu + TK * I, *cus = cgs + f.T_max * Is;
+  for (int64_t i = 0; i < f.T * f.K; i++) {
+    if (slot_row[i] < 0) continue;
+    memcpy(cg + i * I, gg + (int64_t)slot_row[i] * I, (size_t)I * 2);
+    memcpy(cu + i * I, gu + (int64_t)slot_row[i] * I, (size_t)I * 2);
+  }
+  if (Is > 0) {
+    memcpy(cgs, gpu_ctx.data() + lay.ctx[MOK_CTX_GS], (size_t)(f.T * Is) * 2);
+    memcpy(cus, gpu_ctx.data() + lay.ctx[MOK_CTX_US], (size_t)(f.T * Is) * 2);
+  }
+}
+
+// The CPU layer's forward and backward on p's inputs. With gpu_ctx (a SAVE-mode GPU context of
+// the same forward), the CPU backward reads the GPU forward's bf16 g, u instead of its own: those
+// legitimately differ in the last bit (another accumulation order), and one flipped bit of a
+// large a = bf16(w·silu(g)·u) moves a weight-gradient sum of few rows by more than its rms-scaled
+// tolerance. Backward's inputs are then the same on both sides, and the comparison covers the
+// backward alone (test_forward.cu checks the saved g, u against the CPU forward's).
+static mokResult_t cpu_backward(const bwd_problem_t *p, bwd_out_t *o,
+                                const std::vector<uint8_t> *gpu_ctx = NULL) {
+  const fwd_problem_t &f = p->f;
+  const int64_t T = f.T, H = f.H, K = f.K;
+  mok_comm_t c = NULL;
+  mok_layer_t l = NULL;
+  mokResult_t r = mok_comm_create_local(&c, MOK_DEVICE_CPU);
+  if (r != MOK_SUCCESS) return r;
+  mok_layer_desc_t d = bwd_desc(p);
+  if (gpu_ctx) d.context_mode = MOK_CONTEXT_SAVE;
+  if ((r = mok_layer_create(&l, c, &d)) != MOK_SUCCESS) {
+    mok_comm_destroy(c);
+    return r;
+  }
+  size_t cb = 0;
+  mok_context_size(l, &cb);
+  void *cbuf = aligned_alloc(64, (cb + 63) / 64 * 64);
+  std::vector<uint16_t> y((size_t)(T * H) + 8);
+  o->dx.assign((size_t)(T * H) + 8, 0);
+  o->dtw.assign((size_t)(T * K) + 4, 0.0f);
+  for (int i = 0; i < BWD_NW; i++) {
+    o->dw[i].assign(bwd_w_bytes(p, i) + 16, 0);
+    if (p->accumulate) memcpy(o->dw[i].data(), p->dw0[i].data(), bwd_w_bytes(p, i));
+  }
+  mok_forward_args_t a;
+  memset(&a, 0, sizeof(a));
+  a.num_tokens = T;
+  a.x = T ? f.x.data() : NULL;
+  a.topk_idx = T ? f.idx.data() : NULL;
+  a.topk_w = T ? f.tw.data() : NULL;
+  a.w.wg = f.wg.data(), a.w.wu = f.wu.data(), a.w.wd = f.wd.data();
+  if (f.Is > 0) a.w.wsg = f.wsg.data(), a.w.wsu = f.wsu.data(), a.w.wsd = f.wsd.data();
+  mok_backward_args_t g;
+  memset(&g, 0, sizeof(g));
+  g.dy = T ? p->dy.data() : NULL;
+  g.dx = T ? o->dx.data() : NULL;
+  g.dtopk_w = T ? o->dtw.data() : NULL;
+  void **dw[BWD_NW] = {&g.dwg, &g.dwu, &g.dwd, &g.dwsg, &g.dwsu, &g.dwsd};
+  for (int i = 0; i < (f.Is > 0 ? BWD_NW : 3); i++) *dw[i] = o->dw[i].data();
+  r = mok_forward(l, &a, T ? y.data() : NULL, cbuf, NULL);
+  if (r == MOK_SUCCESS && gpu_ctx) bwd_inject_saved(p, *gpu_ctx, cbuf);
+  if (r == MOK_SUCCESS) r = mok_backward(l, &a, &g, cbuf, NULL);
+  o->dx.resize((size_t)(T * H));
+  o->dtw.resize((size_t)(T * K));
+  for (int i = 0; i < BWD_NW; i++) o->dw[i].resize(bwd_w_bytes(p, i));
+  free(cbuf);
+  mok_layer_destroy(l);
+  mok_comm_destroy(c);
+  return r;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Comparison                                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+/*
+ * Tolerance for every gradient, per element:
+ *     |gpu - ref| <= atol + rtol · |ref|,   rtol = 2^-7,  atol = 2^-7 · rms(ref - start)
+ * (start: the starting weight gradients when accumulating, else 0, so atol scales with what one
+ * call computes). Why: (1) the GEMMs accumulate in fp32 in another order than the reference's
+ * sequential sums (wgmma k-blocks; the weight gradients' row order is the same, but not the
+ * split into MMA steps), and dxk = dg·Wg + du·Wu is two fp32 sums added, not one; (2) the
+ * forward's bf16 g, u may differ from the CPU forward's by one ulp (the forward test's
+ * tolerance), moving s, a, dg, du of that element by up to 2^-8 of itself; (3) from such
+ * differences the bf16 roundings of a, dg, du, dxk (per slot) and of dx or a bf16 weight gradient
+ * may flip by one ulp: up to 2^-8 of that value, inside rtol, and for an element of a long sum
+ * (I or H terms, or the rows of an expert) far inside atol. The worst element is printed with
+ * its ratio to the bound.
+ */
+static int bwd_compare(const char *what, const char *name, const std::vector<double> &gpu,
+                       const std::vector<double> &ref, const std::vector<double> *start,
+                       int64_t cols) {
+  const int64_t n = (int64_t)ref.size();
+  double ss = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const double v = ref[i] - (start ? (*start)[i] : 0.0);
+    ss += v * v;
+  }
+  const double rtol = 1.0 / 128, atol = rtol * sqrt(ss / (double)(n > 0 ? n : 1));
+  int64_t bad = 0, worst = -1;
+  double worst_ratio = -1;
+  for (int64_t i = 0; i < n; i++) {
+    const double d = fabs(gpu[i] - ref[i]), bound = atol + rtol * fabs(ref[i]);
+    if (!(d <= bound)) bad++;
+    const double ratio = d <= bound && bound == 0 ? 0.0 : d / bound;  // ref all 0: d must be 0
+    if (!(ratio <= worst_ratio)) {
+      worst_ratio = ratio;
+      worst = i;
+      if (worst_ratio != worst_ratio) break;  // NaN: unwritten or broken output, report it
+    }
+  }
+  if (worst >= 0)
+    printf("    %s: %s worst [%lld][%lld]: gpu %.6g ref %.6g |diff| %.3g = %.3f of its bound "
+           "(atol %.3g); %lld beyond\n",
+           what, name, (long long)(worst / cols), (long long)(worst % cols), gpu[worst],
+           ref[worst], fabs(gpu[worst] - ref[worst]), worst_ratio, atol, (long long)bad);
+  return bad == 0 && worst_ratio == worst_ratio;
+}
+
+static std::vector<double> bwd_bf16_values(const uint16_t *v, size_t n) {
+  std::vector<double> d(n);
+  for (size_t i = 0; i < n; i++) d[i] = bf2f(v[i]);
+  return d;
+}
+
+static std::vector<double> bwd_w_values(const bwd_problem_t *p, const std::vector<uint8_t> &b) {
+  if (p->wdt == MOK_WGRAD_BF16) return bwd_bf16_values((const uint16_t *)b.data(), b.size() / 2);
+  std::vector<double> d(b.size() / 4);
+  for (size_t i = 0; i < d.size(); i++) d[i] = ((const float *)b.data())[i];
+  return d;
+}
+
+// Every output of the GPU against the CPU layer; 1 when all are within the tolerance.
+static int bwd_compare_all(const char *what, const bwd_problem_t *p, const bwd_out_t *gpu,
+                           const bwd_out_t *ref) {
+  const fwd_problem_t &f = p->f;
+  int ok = bwd_compare(what, "dx", bwd_bf16_values(gpu->dx.data(), gpu->dx.size()),
+                       bwd_bf16_values(ref->dx.data(), ref->dx.size()), NULL, f.H);
+  ok &= bwd_compare(what, "dtopk_w", std::vector<double>(gpu->dtw.begin(), gpu->dtw.end()),
+                    std::vector<double>(ref->dtw.begin(), ref->dtw.end()), NULL, f.K);
+  const int64_t cols[BWD_NW] = {f.H, f.H, f.I, f.H, f.H, f.Is};
+  for (int i = 0; i < (f.Is > 0 ? BWD_NW : 3); i++) {
+    std::vector<double> start;
+    if (p->accumulate) start = bwd_w_values(p, p->dw0[i]);
+    ok &= bwd_compare(what, bwd_w_name[i], bwd_w_values(p, gpu->dw[i]), bwd_w_values(p, ref->dw[i]),
+                      p->accumulate ? &start : NULL, cols[i]);
+  }
+  return ok;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The GPU layer                                                                                   */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+  fwd_gpu_t f;
+  uint16_t *dy, *dx;  // device [T_max, H]
+  float *dtw;         // [T_max, K]
+  void *dw[BWD_NW];
+} bwd_gpu_t;
+
+static void bwd_gpu_close(bwd_gpu_t *g) {
+  cudaDeviceSynchronize();
+  void *bufs[] = {g->dy, g->dx, g->dtw, g->dw[0], g->dw[1], g->dw[2], g->dw[3], g->dw[4], g->dw[5]};
+  for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+    if (bufs[i]) cudaFree(bufs[i]);
+  fwd_gpu_close(&g->f);
+  memset(g, 0, sizeof(*g));
+}
+
+// A GPU layer with p's descriptor (wgrad dtype and mode included); 0 on failure (printed).
+static int bwd_gpu_open(bwd_gpu_t *g, const bwd_problem_t *p) {
+  memset(g, 0, sizeof(*g));
+  const fwd_problem_t &f = p->f;
+  mok_layer_desc_t d = bwd_desc(p);
+  fwd_gpu_t *F = &g->f;
+  if (mok_comm_create_local(&F->comm, 0) != MOK_SUCCESS ||
+      mok_layer_create(&F->l, F->comm, &d) != MOK_SUCCESS ||
+      mok_context_size(F->l, &F->ctx_bytes) != MOK_SUCCESS) {
+    printf("    GPU layer: %s\n", mok_last_error());
+    bwd_gpu_close(g);
+    return 0;
+  }
+  F->x = fwd_upload(f.x), F->idx = fwd_upload(f.idx), F->tw = fwd_upload(f.tw);
+  F->wg = fwd_upload(f.wg), F->wu = fwd_upload(f.wu), F->wd = fwd_upload(f.wd);
+  if (f.Is > 0) F->wsg = fwd_upload(f.wsg), F->wsu = fwd_upload(f.wsu), F->wsd = fwd_upload(f.wsd);
+  cudaMalloc(&F->y, (size_t)(f.T_max * f.H) * 2 + 16);
+  cudaMalloc(&F->ctx, F->ctx_bytes);
+  g->dy = fwd_upload(p->dy);
+  cudaMalloc(&g->dx, (size_t)(f.T_max * f.H) * 2 + 16);
+  cudaMalloc(&g->dtw, (size_t)(f.T_max * f.K) * 4 + 16);
+  int ok = F->x && F->idx && F->tw && F->wg && F->wu && F->wd && F->y && F->ctx && g->dy &&
+           g->dx && g->dtw && (f.Is == 0 || (F->wsg && F->wsu && F->wsd));
+  for (int i = 0; i < (f.Is > 0 ? BWD_NW : 3); i++) {
+    if (cudaMalloc(&g->dw[i], bwd_w_bytes(p, i) + 16) != cudaSuccess) g->dw[i] = NULL;
+    ok &= g->dw[i] != NULL;
+  }
+  if (!ok) {
+    printf("    GPU layer: device allocation failed\n");
+    bwd_gpu_close(g);
+    return 0;
+  }
+  cudaMemset(F->ctx, 0, F->ctx_bytes);
+  return 1;
+}
+
+// Uploads x, routing, router weights and dy; dx and dtopk_w get NaN poison; weight gradients the
+// starting values (accumulate) or NaN poison (overwrite: every element must be written).
+static void bwd_gpu_inputs(bwd_gpu_t *g, const bwd_problem_t *p) {
+  const fwd_problem_t &f = p->f;
+  cudaMemcpy(g->dy, p->dy.data(), p->dy.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemset(g->dx, 0xFF, (size_t)(f.T_max * f.H) * 2);
+  cudaMemset(g->dtw, 0xFF, (size_t)(f.T_max * f.K) * 4);
+  for (int i = 0; i < (f.Is > 0 ? BWD_NW : 3); i++) {
+    if (p->accumulate) cudaMemcpy(g->dw[i], p->dw0[i].data(), bwd_w_bytes(p, i), cudaMemcpyHostToDevice);
+    else cudaMemset(g->dw[i], 0xFF, bwd_w_bytes(p, i));
+  }
+  fwd_gpu_inputs(&g->f, &f);  // ends with a device synchronization
+}
+
+static mokResult_t bwd_gpu_backward(bwd_gpu_t *g, const bwd_problem_t *p, int64_t T,
+                                    const void *ctx, cudaStream_t stream) {
+  fwd_gpu_t *F = &g->f;
+  mok_forward_args_t a;
+  memset(&a, 0, sizeof(a));
+  a.num_tokens = T;
+  a.x = T ? F->x : NULL;
+  a.topk_idx = T ? F->idx : NULL;
+  a.topk_w = T ? F->tw : NULL;
+  a.w.wg = F->wg, a.w.wu = F->wu, a.w.wd = F->wd;
+  a.w.wsg = F->wsg, a.w.wsu = F->wsu, a.w.wsd = F->wsd;
+  mok_backward_args_t b;
+  memset(&b, 0, sizeof(b));
+  b.dy = T ? g->dy : NULL;
+  b.dx = T ? g->dx : NULL;
+  b.dtopk_w = T ? g->dtw : NULL;
+  b.dwg = g->dw[0], b.dwu = g->dw[1], b.dwd = g->dw[2];
+  if (p->f.Is > 0) b.dwsg = g->dw[3], b.dwsu = g->dw[4], b.dwsd = g->dw[5];
+  return mok_backward(F->l, &a, &b, ctx ? ctx : F->ctx, (mok_stream_t)stream);
+}
+
+// Forward then backward of p's first T tokens on `stream`.
+static mokResult_t bwd_gpu_run(bwd_gpu_t *g, const bwd_problem_t *p, cudaStream_t stream) {
+  mokResult_t r = fwd_gpu_forward(&g->f, p->f.T, stream);
+  if (r != MOK_SUCCESS) return r;
+  return bwd_gpu_backward(g, p, p->f.T, NULL, stream);
+}
+
+static void bwd_gpu_outputs(const bwd_gpu_t *g, const bwd_problem_t *p, bwd_out_t *o) {
+  const fwd_problem_t &f = p->f;
+  o->dx.assign((size_t)(f.T * f.H), 0);
+  o->dtw.assign((size_t)(f.T * f.K), 0.0f);
+  if (f.T > 0) {
+    cudaMemcpy(o->dx.data(), g->dx, o->dx.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o->dtw.data(), g->dtw, o->dtw.size() * 4, cudaMemcpyDeviceToHost);
+  }
+  for (int i = 0; i < BWD_NW; i++) {
+    o->dw[i].assign(i < 3 || f.Is > 0 ? bwd_w_bytes(p, i) : 0, 0);
+    if (!o->dw[i].empty()) cudaMemcpy(o->dw[i].data(), g->dw[i], o->dw[i].size(), cudaMemcpyDeviceToHost);
+  }
+}
+
+static int bwd_same(const bwd_out_t *a, const bwd_out_t *b) {
+  int same = a->dx == b->dx && memcmp(a->dtw.data(), b->dtw.data(), a->dtw.size() * 4) == 0;
+  for (int i = 0; i < BWD_NW; i++) same &= a->dw[i] == b->dw[i];
+  return same;
+}
+
+// GPU forward + backward on p's inputs against the CPU layer. 1 when everything matched;
+// failures are recorded on the running test.
+static int bwd_check_against_cpu(bwd_gpu_t *g, const bwd_problem_t *p, const char *what) {
+  bwd_gpu_inputs(g, p);
+  mokResult_t r = bwd_gpu_run(g, p, 0);
+  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s: mok_forward/mok_backward: %s", what, mok_last_error());
+  r = mok_layer_check(g->f.l);
+  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s: mok_layer_check: %s", what, mok_last_error());
+  if (r != MOK_SUCCESS) return 0;
+  bwd_out_t gpu, ref;
+  bwd_gpu_outputs(g, p, &gpu);
+  std::vector<uint8_t> gctx;
+  if (p->f.mode == MOK_CONTEXT_SAVE) gctx = fwd_gpu_ctx(&g->f);
+  r = cpu_backward(p, &ref, p->f.mode == MOK_CONTEXT_SAVE ? &gctx : NULL);
+  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s: CPU layer: %s", what, mok_last_error());
+  if (r != MOK_SUCCESS) return 0;
+  const int ok = bwd_compare_all(what, p, &gpu, &ref);
+  MOK_EXPECT_MSG(ok, "%s: GPU gradients differ from the CPU layer beyond the tolerance", what);
+  return ok;
+}
+
+#endif /* MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH */

@@ -1,0 +1,413 @@
+/*
+ * test_backward.cu: the unfused GPU backward of a W = 1 BF16 layer (src/gpu_backward.c and its
+ * kernels) against the CPU layer's forward + backward on the same inputs (tolerance:
+ * backward_test_util.cuh): dx, dtopk_w and every weight gradient, in both weight-gradient dtypes,
+ * overwritten and accumulated; routing edge cases; bitwise run-to-run determinism; RECOMPUTE
+ * equal to SAVE bitwise; CUDA graph capture; contexts that do not match, reported by
+ * mok_layer_check. Every test skips without a GPU. Filter: `make test TESTS=bwd_gpu`.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <vector>
+
+#include "backward_test_util.cuh"
+
+#define NEED_GPU() \
+  if (!gpu_present()) MOK_SKIP("no CUDA device")
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Against the CPU layer                                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, route_t route,
+                       mok_wgrad_dtype_t wdt, int accumulate, const char *what) {
+  bwd_problem_t p;
+  bwd_problem_init(&p, 256, I, 8, K, Is, T, T > 0 ? T : 16);
+  fwd_route(&p.f, route);
+  bwd_set_wgrad(&p, wdt, accumulate);
+  bwd_gpu_t g;
+  MOK_REQUIRE(bwd_gpu_open(&g, &p));
+  bwd_check_against_cpu(&g, &p, what);
+  bwd_gpu_close(&g);
+}
+
+static const route_t plain_route = {0.1, 0, -1};
+
+MOK_TEST(bwd_gpu_matches_cpu_small) {
+  NEED_GPU();
+  small_case(128, 0, 2, 100, plain_route, MOK_WGRAD_FP32, 0, "I=128");
+  small_case(256, 0, 2, 100, plain_route, MOK_WGRAD_FP32, 0, "I=256");
+  small_case(128, 128, 2, 100, plain_route, MOK_WGRAD_FP32, 0, "I=128 Is=128");
+  small_case(256, 128, 2, 100, plain_route, MOK_WGRAD_FP32, 0, "I=256 Is=128");
+}
+
+MOK_TEST(bwd_gpu_wgrad_dtypes_and_accumulate) {
+  NEED_GPU();
+  small_case(128, 128, 2, 100, plain_route, MOK_WGRAD_BF16, 0, "bf16 weight gradients");
+  small_case(128, 128, 2, 100, plain_route, MOK_WGRAD_BF16, 1, "bf16, accumulated");
+  small_case(256, 128, 2, 100, plain_route, MOK_WGRAD_FP32, 1, "fp32, accumulated");
+}
+
+MOK_TEST(bwd_gpu_routing_edge_cases) {
+  NEED_GPU();
+  const route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
+  const route_t one_expert = {0.0, 0, 5};  // slot 0 of every token: expert 5
+  const route_t many_empty = {0.45, 0, -1};
+  const route_t all_empty = {1.0, 0, -1};  // no routed rows: routed gradients 0, dx = bf16(dxs)
+  const route_t full = {0.0, 0, -1};
+  const mok_wgrad_dtype_t F = MOK_WGRAD_FP32, B = MOK_WGRAD_BF16;
+  small_case(128, 0, 2, 100, empty_experts, F, 0, "experts 0, 3, 6 empty");
+  small_case(128, 128, 2, 100, empty_experts, B, 1, "experts 0, 3, 6 empty, bf16 accumulated");
+  small_case(128, 128, 2, 300, one_expert, F, 0, "every token to expert 5 (300 rows)");
+  small_case(128, 0, 1, 100, full, F, 0, "K = 1");
+  small_case(128, 128, 1, 100, one_expert, F, 0, "K = 1, all to expert 5");
+  small_case(128, 128, 4, 100, many_empty, F, 0, "K = 4, -1 slots");
+  small_case(128, 128, 2, 100, all_empty, F, 0, "every slot -1, shared expert only");
+  small_case(128, 0, 2, 1, full, F, 0, "T = 1");
+  small_case(128, 128, 2, 257, full, B, 0, "T = 257 (not a multiple of 128)");
+  small_case(128, 0, 8, 700, full, F, 0, "K = 8, T = 700");
+}
+
+// T = 0: overwritten weight gradients become exactly 0; accumulated ones keep every bit.
+MOK_TEST(bwd_gpu_zero_tokens) {
+  NEED_GPU();
+  for (int acc = 0; acc < 2; acc++) {
+    for (int dt = 0; dt < 2; dt++) {
+      bwd_problem_t p;
+      bwd_problem_init(&p, 256, 128, 8, 2, 128, 0, 16);
+      bwd_set_wgrad(&p, dt ? MOK_WGRAD_BF16 : MOK_WGRAD_FP32, acc);
+      bwd_gpu_t g;
+      MOK_REQUIRE(bwd_gpu_open(&g, &p));
+      bwd_gpu_inputs(&g, &p);
+      MOK_EXPECT_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
+      MOK_EXPECT_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
+      bwd_out_t o;
+      bwd_gpu_outputs(&g, &p, &o);
+      for (int i = 0; i < BWD_NW; i++) {
+        int64_t bad = 0;
+        for (size_t j = 0; j < o.dw[i].size(); j++)
+          bad += acc ? o.dw[i][j] != p.dw0[i][j] : o.dw[i][j] != 0;
+        MOK_EXPECT_MSG(bad == 0, "T = 0, %s %s: %lld bytes of %s %s", dt ? "bf16" : "fp32",
+                       acc ? "accumulated" : "overwritten", (long long)bad, bwd_w_name[i],
+                       acc ? "changed" : "not zero");
+      }
+      bwd_gpu_close(&g);
+    }
+  }
+  bwd_problem_t p;  // ... and then T = 9 < T_max on the same kind of layer
+  bwd_problem_init(&p, 256, 128, 8, 2, 128, 9, 16);
+  bwd_gpu_t g;
+  MOK_REQUIRE(bwd_gpu_open(&g, &p));
+  bwd_check_against_cpu(&g, &p, "T = 9 < T_max = 16");
+  bwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Determinism, recompute, graphs                                                                  */
+/* ---------------------------------------------------------------------------------------------- */
+
+MOK_TEST(bwd_gpu_is_bitwise_deterministic) {
+  NEED_GPU();
+  for (int dt = 0; dt < 2; dt++) {
+    bwd_problem_t p;
+    bwd_problem_init(&p, 512, 256, 16, 4, 128, 1000, 1000);
+    bwd_set_wgrad(&p, dt ? MOK_WGRAD_BF16 : MOK_WGRAD_FP32, 0);
+    bwd_gpu_t g;
+    MOK_REQUIRE(bwd_gpu_open(&g, &p));
+    bwd_out_t o1, o2;
+    bwd_gpu_inputs(&g, &p);
+    MOK_REQUIRE_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
+    bwd_gpu_outputs(&g, &p, &o1);
+    bwd_gpu_inputs(&g, &p);  // poison again
+    MOK_REQUIRE_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
+    MOK_EXPECT_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
+    bwd_gpu_outputs(&g, &p, &o2);
+    MOK_EXPECT_MSG(bwd_same(&o1, &o2), "%s gradients differ between two runs", dt ? "bf16" : "fp32");
+    bwd_gpu_close(&g);
+  }
+}
+
+// RECOMPUTE recomputes bf16 g, u with the forward's own GEMM: every gradient equals SAVE's bit
+// for bit, in both weight-gradient dtypes and with accumulation.
+MOK_TEST(bwd_gpu_recompute_equals_save_bitwise) {
+  NEED_GPU();
+  for (int c = 0; c < 2; c++) {
+    bwd_problem_t p;
+    bwd_problem_init(&p, 256, 256, 8, 2, 128, 300, 300);
+    bwd_set_wgrad(&p, c ? MOK_WGRAD_BF16 : MOK_WGRAD_FP32, c);
+    bwd_out_t o[2];
+    for (int m = 0; m < 2; m++) {
+      p.f.mode = m ? MOK_CONTEXT_RECOMPUTE : MOK_CONTEXT_SAVE;
+      bwd_gpu_t g;
+      MOK_REQUIRE(bwd_gpu_open(&g, &p));
+      bwd_gpu_inputs(&g, &p);
+      MOK_REQUIRE_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
+      MOK_EXPECT_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
+      bwd_gpu_outputs(&g, &p, &o[m]);
+      bwd_gpu_close(&g);
+    }
+    MOK_EXPECT_MSG(bwd_same(&o[0], &o[1]), "RECOMPUTE differs from SAVE (%s)",
+                   c ? "bf16 accumulated" : "fp32");
+    if (c == 0) {  // and against the CPU layer in RECOMPUTE mode
+      p.f.mode = MOK_CONTEXT_RECOMPUTE;
+      bwd_out_t ref;
+      MOK_REQUIRE_MSG(cpu_backward(&p, &ref) == MOK_SUCCESS, "%s", mok_last_error());
+      MOK_EXPECT(bwd_compare_all("RECOMPUTE", &p, &o[1], &ref));
+    }
+  }
+}
+
+// Forward + backward captured in a CUDA graph on a non-blocking stream (no host synchronization
+// inside either call), replayed with new routing in the same buffers: bitwise equal to the
+// uncaptured calls.
+MOK_TEST(bwd_gpu_cuda_graph_replays_with_new_routing) {
+  NEED_GPU();
+  bwd_problem_t p;
+  bwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
+  bwd_gpu_t g;
+  MOK_REQUIRE(bwd_gpu_open(&g, &p));
+  bwd_gpu_inputs(&g, &p);
+  cudaStream_t s;
+  MOK_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  MOK_REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  const mokResult_t r = bwd_gpu_run(&g, &p, s);
+  const cudaError_t ce = cudaStreamEndCapture(s, &graph);
+  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "forward + backward under capture: %s", mok_last_error());
+  MOK_REQUIRE_MSG(ce == cudaSuccess, "cudaStreamEndCapture: %s", cudaGetErrorString(ce));
+  MOK_REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  const route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
+  for (int i = 0; i < 2; i++) {
+    fwd_route(&p.f, routes[i]);
+    bwd_gpu_inputs(&g, &p);
+    MOK_EXPECT(cudaGraphLaunch(exec, s) == cudaSuccess);
+    MOK_EXPECT(cudaStreamSynchronize(s) == cudaSuccess);
+    MOK_EXPECT_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
+    bwd_out_t og, od;
+    bwd_gpu_outputs(&g, &p, &og);
+    bwd_gpu_inputs(&g, &p);
+    MOK_EXPECT_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
+    bwd_gpu_outputs(&g, &p, &od);
+    MOK_EXPECT_MSG(bwd_same(&og, &od), "graph replay %d differs from the direct calls", i);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+  bwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Contexts that do not match                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+// A backward whose context does not match: mok_backward succeeds (the check runs on the device),
+// mok_layer_check reports CONTEXT_MISMATCH with `msg`, dx and dtopk_w keep their poison, the
+// overwritten (fp32) weight gradients are zeros, and a second check reports nothing.
+static void expect_mismatch(bwd_gpu_t *g, const bwd_problem_t *p, int64_t T, const void *ctx,
+                            const char *msg) {
+  const fwd_problem_t &f = p->f;
+  cudaMemset(g->dx, 0x5A, (size_t)(f.T_max * f.H) * 2);
+  cudaMemset(g->dtw, 0x5A, (size_t)(f.T_max * f.K) * 4);
+  MOK_EXPECT_MSG(bwd_gpu_backward(g, p, T, ctx, 0) == MOK_SUCCESS, "%s", mok_last_error());
+  const mokResult_t r = mok_layer_check(g->f.l);
+  MOK_EXPECT_MSG(r == MOK_ERROR_CONTEXT_MISMATCH, "mok_layer_check returned %d (%s), expected "
+                 "CONTEXT_MISMATCH", (int)r, mok_layer_last_error(g->f.l));
+  MOK_EXPECT_MSG(strstr(mok_layer_last_error(g->f.l), msg) != NULL, "message \"%s\" lacks \"%s\"",
+                 mok_layer_last_error(g->f.l), msg);
+  std::vector<uint8_t> dx((size_t)(f.T_max * f.H) * 2), dtw((size_t)(f.T_max * f.K) * 4);
+  cudaMemcpy(dx.data(), g->dx, dx.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(dtw.data(), g->dtw, dtw.size(), cudaMemcpyDeviceToHost);
+  int64_t touched = 0;
+  for (size_t i = 0; i < dx.size(); i++) touched += dx[i] != 0x5A;
+  for (size_t i = 0; i < dtw.size(); i++) touched += dtw[i] != 0x5A;
+  MOK_EXPECT_MSG(touched == 0, "%lld bytes of dx, dtopk_w written by a backward with a context "
+                 "that does not match", (long long)touched);
+  std::vector<float> dwg((size_t)bwd_w_elems(p, 0));
+  cudaMemcpy(dwg.data(), g->dw[0], dwg.size() * 4, cudaMemcpyDeviceToHost);
+  int64_t nonzero = 0;
+  for (size_t i = 0; i < dwg.size(); i++) nonzero += dwg[i] != 0.0f;
+  MOK_EXPECT_MSG(nonzero == 0, "%lld elements of dwg not zeroed", (long long)nonzero);
+  MOK_EXPECT_MSG(mok_layer_check(g->f.l) == MOK_SUCCESS, "the error was not cleared: %s",
+                 mok_last_error());
+}
+
+MOK_TEST(bwd_gpu_context_mismatch_reported_by_check) {
+  NEED_GPU();
+  bwd_problem_t p;
+  bwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
+  const std::vector<int32_t> good = p.f.idx;
+  bwd_gpu_t g, other;
+  MOK_REQUIRE(bwd_gpu_open(&g, &p));
+  MOK_REQUIRE(bwd_gpu_open(&other, &p));
+  bwd_gpu_inputs(&g, &p);
+  MOK_REQUIRE(fwd_gpu_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
+
+  // Other routing than the forward's: one slot moved to an expert the token does not use.
+  int32_t *row = &p.f.idx[5 * 2];
+  int32_t e = (row[0] + 1) % 8;
+  while (e == row[0] || e == row[1]) e = (e + 1) % 8;
+  row[1] = e;
+  cudaMemcpy(g.f.idx, p.f.idx.data(), p.f.idx.size() * 4, cudaMemcpyHostToDevice);
+  expect_mismatch(&g, &p, p.f.T, NULL, "other topk_idx");
+  p.f.idx = good;
+  cudaMemcpy(g.f.idx, p.f.idx.data(), p.f.idx.size() * 4, cudaMemcpyHostToDevice);
+
+  expect_mismatch(&g, &p, p.f.T - 1, NULL, "other number of tokens");
+
+  // The context of another layer (same shapes, same inputs).
+  bwd_gpu_inputs(&other, &p);
+  MOK_REQUIRE(fwd_gpu_forward(&other.f, p.f.T, 0) == MOK_SUCCESS);
+  cudaDeviceSynchronize();
+  expect_mismatch(&g, &p, p.f.T, other.f.ctx, "another layer wrote it");
+
+  // The context of a forward that met bad routing.
+  p.f.idx[3 * 2 + 1] = 8;
+  bwd_gpu_inputs(&g, &p);
+  MOK_EXPECT(fwd_gpu_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT(mok_layer_check(g.f.l) == MOK_ERROR_INVALID_ROUTING);
+  expect_mismatch(&g, &p, p.f.T, NULL, "did not complete");
+  p.f.idx = good;
+
+  // A good call afterwards computes normally.
+  bwd_check_against_cpu(&g, &p, "good call after mismatches");
+  bwd_gpu_close(&other);
+  bwd_gpu_close(&g);
+}
+
+// Backward reads routing and g, u from the context, not from the workspace: a forward of other
+// routing between this call's forward and its backward changes nothing.
+MOK_TEST(bwd_gpu_uses_the_context_not_the_last_forward) {
+  NEED_GPU();
+  bwd_problem_t p;
+  bwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
+  bwd_gpu_t g;
+  MOK_REQUIRE(bwd_gpu_open(&g, &p));
+  bwd_gpu_inputs(&g, &p);
+  MOK_REQUIRE(fwd_gpu_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
+  void *ctx2 = NULL;
+  MOK_REQUIRE(cudaMalloc(&ctx2, g.f.ctx_bytes) == cudaSuccess);
+  cudaMemcpy(ctx2, g.f.ctx, g.f.ctx_bytes, cudaMemcpyDeviceToDevice);  // this call's context
+  bwd_problem_t q = p;
+  const route_t hot = {0.0, 0, 2};
+  fwd_route(&q.f, hot);
+  fwd_gpu_inputs(&g.f, &q.f);
+  MOK_REQUIRE(fwd_gpu_forward(&g.f, q.f.T, 0) == MOK_SUCCESS);  // another forward in between
+  fwd_gpu_inputs(&g.f, &p.f);                                   // back to this call's inputs
+  MOK_REQUIRE(bwd_gpu_backward(&g, &p, p.f.T, ctx2, 0) == MOK_SUCCESS);
+  MOK_EXPECT_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
+  bwd_out_t gpu, ref;
+  bwd_gpu_outputs(&g, &p, &gpu);
+  MOK_REQUIRE_MSG(cpu_backward(&p, &ref) == MOK_SUCCESS, "%s", mok_last_error());
+  MOK_EXPECT(bwd_compare_all("forward of other routing in between", &p, &gpu, &ref));
+  cudaFree(ctx2);
+  bwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Kernels on their own                                                                            */
+/* ---------------------------------------------------------------------------------------------- */
+
+// The SwiGLU backward kernel against the same formulas on the host (libm's expf against CUDA's,
+// each within 2 ulp of exp, so a, dg, du may differ by one bf16 ulp and dw_row by a few fp32 ulp
+// of Σ|ds s|); rows outside [offsets[0], offsets[G]) are not written.
+MOK_TEST(bwd_gpu_swiglu_backward_kernel_matches_host) {
+  NEED_GPU();
+  const int64_t M = 40, N = 256, G = 3;
+  const std::vector<int32_t> offs = {3, 10, 10, 37};  // group 1 empty; rows 0-2, 37-39 outside
+  std::vector<uint16_t> g((size_t)(M * N)), u((size_t)(M * N));
+  fill_bf16(g, 6.0f);
+  fill_bf16(u, 2.0f);
+  g[5 * N + 7] = f2bf(-100.0f);  // e^-g = inf: silu = -0, sig = 0
+  std::vector<float> ds((size_t)(M * N)), w((size_t)M);
+  for (auto &v : ds) v = rnd_unit();
+  for (auto &v : w) v = 0.5f + 0.5f * rnd_unit();
+  uint16_t *dg_ = to_dev(g), *du_ = to_dev(u), *o_a = NULL, *o_dg = NULL, *o_du = NULL;
+  float *d_ds = to_dev(ds), *d_w = to_dev(w), *d_dw = NULL;
+  int32_t *d_off = to_dev(offs);
+  cudaMalloc(&o_a, (size_t)(M * N) * 2);
+  cudaMalloc(&o_dg, (size_t)(M * N) * 2);
+  cudaMalloc(&o_du, (size_t)(M * N) * 2);
+  cudaMalloc(&d_dw, (size_t)M * 4);
+  MOK_REQUIRE(dg_ && du_ && d_ds && d_w && d_off && o_a && o_dg && o_du && d_dw);
+  cudaMemset(o_a, 0x5A, (size_t)(M * N) * 2);
+  cudaMemset(o_dg, 0x5A, (size_t)(M * N) * 2);
+  cudaMemset(o_du, 0x5A, (size_t)(M * N) * 2);
+  cudaMemset(d_dw, 0x5A, (size_t)M * 4);
+  mok_bwd_swiglu_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.num_groups = G, p.m_total = M, p.n = N, p.offsets = d_off;
+  p.g = dg_, p.u = du_, p.ds = d_ds, p.row_w = d_w;
+  p.a = o_a, p.dg = o_dg, p.du = o_du, p.dw_row = d_dw;
+  MOK_REQUIRE_MSG(mok_bwd_swiglu_launch(&p, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+  MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  std::vector<uint16_t> a((size_t)(M * N)), dg((size_t)(M * N)), du((size_t)(M * N));
+  std::vector<float> dw((size_t)M);
+  cudaMemcpy(a.data(), o_a, a.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(dg.data(), o_dg, dg.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(du.data(), o_du, du.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(dw.data(), d_dw, dw.size() * 4, cudaMemcpyDeviceToHost);
+  int64_t bad = 0, untouched_bad = 0;
+  for (int64_t r = 0; r < M; r++) {
+    if (r < offs[0] || r >= offs[G]) {
+      for (int64_t i = 0; i < N; i++)
+        untouched_bad += a[r * N + i] != 0x5A5A || dg[r * N + i] != 0x5A5A || du[r * N + i] != 0x5A5A;
+      uint32_t bits;
+      memcpy(&bits, &dw[r], 4);
+      untouched_bad += bits != 0x5A5A5A5Au;
+      continue;
+    }
+    float lane[32] = {0}, mag = 0;
+    for (int64_t i = 0; i < N; i++) {
+      const float gf = bf2f(g[r * N + i]), uf = bf2f(u[r * N + i]), d = ds[r * N + i];
+      const float den = 1.0f + expf(-gf), silu = gf / den, sig = 1.0f / den, s = silu * uf;
+      const float da = w[r] * d, dsl = sig * (1.0f + gf * (1.0f - sig));
+      const float ref[3] = {w[r] * s, da * uf * dsl, da * silu};
+      const uint16_t got[3] = {a[r * N + i], dg[r * N + i], du[r * N + i]};
+      for (int j = 0; j < 3; j++) {
+        const float e = bf2f(f2bf(ref[j]));
+        bad += !(fabsf(bf2f(got[j]) - e) <= fabsf(e) / 128 + 1e-30f);
+      }
+      lane[(i / 4) % 32] = fmaf(d, s, lane[(i / 4) % 32]);
+      mag += fabsf(d * s);
+    }
+    for (int o = 16; o > 0; o >>= 1)
+      for (int q = 0; q < 32; q++)
+        if (!(q & o)) lane[q] += lane[q + o];
+    bad += !(fabsf(dw[r] - lane[0]) <= 1e-5f * mag);
+  }
+  MOK_EXPECT_MSG(bad == 0, "%lld values differ from the host beyond one bf16 ulp", (long long)bad);
+  MOK_EXPECT_MSG(untouched_bad == 0, "%lld values written outside the groups", (long long)untouched_bad);
+  void *bufs[] = {dg_, du_, o_a, o_dg, o_du, d_ds, d_w, d_dw, d_off};
+  for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
+}
+
+// bf16(fp32(old) + g) and bf16(g) are exact IEEE operations: bitwise equal to the host.
+MOK_TEST(bwd_gpu_wgrad_store_bf16_is_exact) {
+  NEED_GPU();
+  const int64_t n = 4096 + 8;
+  std::vector<float> g((size_t)n);
+  for (auto &v : g) v = 3.0f * rnd_unit();
+  std::vector<uint16_t> old((size_t)n);
+  fill_bf16(old, 2.0f);
+  float *d_g = to_dev(g);
+  uint16_t *d_o = to_dev(old);
+  MOK_REQUIRE(d_g && d_o);
+  for (int acc = 1; acc >= 0; acc--) {  // accumulate onto old first, then overwrite
+    MOK_REQUIRE_MSG(mok_bwd_wgrad_store_bf16_launch(d_g, d_o, n, acc, NULL) == MOK_SUCCESS, "%s",
+                    mok_last_error());
+    std::vector<uint16_t> out((size_t)n);
+    cudaMemcpy(out.data(), d_o, out.size() * 2, cudaMemcpyDeviceToHost);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad += out[i] != f2bf(acc ? bf2f(old[i]) + g[i] : g[i]);
+    MOK_EXPECT_MSG(bad == 0, "%lld of %lld differ (accumulate = %d)", (long long)bad, (long long)n, acc);
+  }
+  MOK_EXPECT(mok_bwd_wgrad_store_bf16_launch(d_g, d_o, 12, 0, NULL) == MOK_ERROR_INVALID_SHAPE);
+  cudaFree(d_g);
+  cudaFree(d_o);
+}
