@@ -142,20 +142,6 @@ static mokResult_t gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, c
   return MOK_SUCCESS;
 }
 
-static mok_grouped_gemm_params_t gpu_gemm_params(mok_gg_epilogue_t epi, int64_t groups,
-                                                 int64_t m, int64_t n, int64_t k) {
-  mok_grouped_gemm_params_t p;
-  memset(&p, 0, sizeof(p));
-  p.dtype = MOK_GG_BF16;
-  p.b_layout = MOK_GG_B_KMAJOR;
-  p.epilogue = epi;
-  p.num_groups = groups;
-  p.m_total = m;
-  p.n = n;
-  p.k = k;
-  return p;
-}
-
 /* The kernel chain of one forward (see the banner). */
 static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a, void *y,
                                      char *ctx, void *stream) {
@@ -192,7 +178,7 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);
 
   /* Routed experts: E groups over the R rows of xg; rows past offsets[E] are not touched. */
-  mok_grouped_gemm_params_t gu = gpu_gemm_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
+  mok_grouped_gemm_params_t gu = mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, E, R, I, H);
   gu.a = p.xg;                /* [R, H] */
   gu.b = a->w.wg;             /* [E, I, H] */
   gu.b2 = a->w.wu;            /* [E, I, H] */
@@ -203,7 +189,7 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
   if ((r = gpu_gemm(l, &gu, "routed gate/up", stream)) != MOK_SUCCESS) return r;
 
-  mok_grouped_gemm_params_t dn = gpu_gemm_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
+  mok_grouped_gemm_params_t dn = mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_KMAJOR, E, R, H, I);
   dn.a = gu.c;                /* [R, I] */
   dn.b = a->w.wd;             /* [E, H, I] */
   dn.offsets = p.offsets;
@@ -212,7 +198,7 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
 
   /* Shared expert: one group [0, T) of x itself ({0, 0} when the call is invalid). */
   if (Is > 0) {
-    mok_grouped_gemm_params_t sgu = gpu_gemm_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
+    mok_grouped_gemm_params_t sgu = mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
     sgu.a = a->x;             /* [T, H] */
     sgu.b = a->w.wsg;         /* [Is, H] */
     sgu.b2 = a->w.wsu;        /* [Is, H] */
@@ -222,7 +208,7 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
     sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
     if ((r = gpu_gemm(l, &sgu, "shared gate/up", stream)) != MOK_SUCCESS) return r;
 
-    mok_grouped_gemm_params_t sdn = gpu_gemm_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
+    mok_grouped_gemm_params_t sdn = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_KMAJOR, 1, T, H, Is);
     sdn.a = sgu.c;            /* [T, Is] */
     sdn.b = a->w.wsd;         /* [H, Is] */
     sdn.offsets = p.shared_offsets;
@@ -237,19 +223,8 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
 
 mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
                             mok_stream_t stream) {
-  if (l->comm->nranks != 1)
-    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "mok_forward on GPU %d with W = %d ranks: expert parallelism is not "
-                    "implemented on the GPU yet (W = 1 is)",
-                    l->comm->device, l->comm->nranks);
-  if (l->d.precision != MOK_PRECISION_BF16)
-    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "mok_forward on GPU %d: %s layers are not implemented on the GPU yet (BF16 "
-                    "is); use a BF16 layer, or MOK_DEVICE_CPU for the reference",
-                    l->comm->device,
-                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "fp8-block" : "MXFP8");
-  if (!l->gpu || !l->gpu->ws)
-    return mok_fail(l, MOK_ERROR_INTERNAL, "mok_forward: GPU layer without a workspace");
+  mokResult_t sup = mok_gpu_check_supported(l, "mok_forward");
+  if (sup != MOK_SUCCESS) return sup;
   int prev;
   mokResult_t r = gpu_enter(l, &prev);
   if (r != MOK_SUCCESS) return r;
@@ -263,6 +238,23 @@ mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
 /* ---- for the backward (src/gpu_backward.c) ---------------------------------------------------- */
 
 void *mok_gpu_workspace(mok_layer_t l) { return l->gpu ? l->gpu->ws : NULL; }
+
+mokResult_t mok_gpu_check_supported(mok_layer_t l, const char *fn) {
+  if (l->comm->nranks != 1)
+    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
+                    "%s on GPU %d with W = %d ranks: expert parallelism is not implemented on "
+                    "the GPU yet (W = 1 is)",
+                    fn, l->comm->device, l->comm->nranks);
+  if (l->d.precision != MOK_PRECISION_BF16)
+    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
+                    "%s on GPU %d: %s layers are not implemented on the GPU yet (BF16 is); use a "
+                    "BF16 layer, or MOK_DEVICE_CPU for the reference",
+                    fn, l->comm->device,
+                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "fp8-block" : "MXFP8");
+  if (!mok_gpu_workspace(l))
+    return mok_fail(l, MOK_ERROR_INTERNAL, "%s: GPU layer without a workspace", fn);
+  return MOK_SUCCESS;
+}
 
 void mok_gpu_track_stream(mok_layer_t l, mok_stream_t stream) {
   l->gpu->last_stream = stream;

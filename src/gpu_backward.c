@@ -53,20 +53,6 @@ static mokResult_t bwd_cuda(mok_layer_t l, const char *call, cudaError_t e) {
   return mok_fail(l, MOK_ERROR_CUDA, "mok_backward: %s: %s", call, cudaGetErrorString(e));
 }
 
-static mok_grouped_gemm_params_t bwd_gemm_params(mok_gg_epilogue_t epi, mok_gg_layout_t bl,
-                                                 int64_t groups, int64_t m, int64_t n, int64_t k) {
-  mok_grouped_gemm_params_t p;
-  memset(&p, 0, sizeof(p));
-  p.dtype = MOK_GG_BF16;
-  p.b_layout = bl;
-  p.epilogue = epi;
-  p.num_groups = groups;
-  p.m_total = m;
-  p.n = n;
-  p.k = k;
-  return p;
-}
-
 /* One grouped GEMM of the chain; `what` names it in the error. */
 static mokResult_t bwd_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *what,
                             void *stream) {
@@ -183,7 +169,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   const void *us = save ? CTX(MOK_CTX_US) : WS(MOK_WS_US);
   if (!save) {
     mok_grouped_gemm_params_t gu =
-        bwd_gemm_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, E, R, I, H);
+        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, E, R, I, H);
     gu.a = WS(MOK_WS_XG);         /* [R, H] */
     gu.b = a->w.wg;               /* [E, I, H] */
     gu.b2 = a->w.wu;
@@ -194,7 +180,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
     if ((r = bwd_gemm(l, &gu, "recompute gate/up", stream)) != MOK_SUCCESS) return r;
     if (Is > 0) {
       mok_grouped_gemm_params_t sgu =
-          bwd_gemm_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
+          mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
       sgu.a = a->x;               /* [T, H] */
       sgu.b = a->w.wsg, sgu.b2 = a->w.wsu; /* [Is, H] */
       sgu.offsets = p.shared_offsets;
@@ -205,7 +191,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   }
 
   /* 3. ds [R, I] = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major). */
-  mok_grouped_gemm_params_t dsp = bwd_gemm_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
+  mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
   dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = p.offsets, dsp.c = WS(MOK_WS_DS);
   if ((r = bwd_gemm(l, &dsp, "routed ds", stream)) != MOK_SUCCESS) return r;
 
@@ -219,7 +205,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return bwd_launcher_failed(l, r);
 
   /* 5. dxk [R, H] fp32 = dg · Wg[e] + du · Wu[e] (Wg [E, I, H] is B [E, K = I, N = H]). */
-  mok_grouped_gemm_params_t dxg = bwd_gemm_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, H, I);
+  mok_grouped_gemm_params_t dxg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, H, I);
   dxg.a = WS(MOK_WS_DG), dxg.b = a->w.wg, dxg.offsets = p.offsets, dxg.c = WS(MOK_WS_DXK);
   if ((r = bwd_gemm(l, &dxg, "routed dx (gate)", stream)) != MOK_SUCCESS) return r;
   mok_grouped_gemm_params_t dxu = dxg;
@@ -228,7 +214,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
 
   /* 6. Shared expert: one group [0, T) of dy and x themselves, weight 1, no router gradient. */
   if (Is > 0) {
-    mok_grouped_gemm_params_t ss = bwd_gemm_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
+    mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
     ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = p.shared_offsets; /* Wsd [H, Is] = [K, N] */
     ss.c = WS(MOK_WS_DSS);                                         /* [T, Is] */
     if ((r = bwd_gemm(l, &ss, "shared ds", stream)) != MOK_SUCCESS) return r;
@@ -238,7 +224,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
     ssb.g = gs, ssb.u = us, ssb.ds = (const float *)WS(MOK_WS_DSS), ssb.row_w = NULL;
     ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
     if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS) return bwd_launcher_failed(l, r);
-    mok_grouped_gemm_params_t sg = bwd_gemm_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
+    mok_grouped_gemm_params_t sg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
     sg.a = WS(MOK_WS_DGS), sg.b = a->w.wsg, sg.offsets = p.shared_offsets; /* Wsg [Is, H] */
     sg.c = WS(MOK_WS_DXS);                                                 /* [T, H] fp32 */
     if ((r = bwd_gemm(l, &sg, "shared dx (gate)", stream)) != MOK_SUCCESS) return r;
@@ -279,19 +265,8 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
 
 mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *g, const void *ctx, mok_stream_t stream) {
-  if (l->comm->nranks != 1)
-    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "mok_backward on GPU %d with W = %d ranks: expert parallelism is not "
-                    "implemented on the GPU yet (W = 1 is)",
-                    l->comm->device, l->comm->nranks);
-  if (l->d.precision != MOK_PRECISION_BF16)
-    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "mok_backward on GPU %d: %s layers are not implemented on the GPU yet (BF16 "
-                    "is); use a BF16 layer, or MOK_DEVICE_CPU for the reference",
-                    l->comm->device,
-                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "fp8-block" : "MXFP8");
-  if (!mok_gpu_workspace(l))
-    return mok_fail(l, MOK_ERROR_INTERNAL, "mok_backward: GPU layer without a workspace");
+  mokResult_t sup = mok_gpu_check_supported(l, "mok_backward");
+  if (sup != MOK_SUCCESS) return sup;
   int prev = l->comm->device;
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess) e = cudaSetDevice(l->comm->device);

@@ -115,6 +115,9 @@ mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
 /* For src/gpu_backward.c: the layer's device workspace (NULL when the layer cannot run), and
  * the stream of a call, which mok_layer_check then synchronizes with. */
 void *mok_gpu_workspace(mok_layer_t l);
+/* MOK_SUCCESS when the GPU backend runs this layer (W = 1, BF16, workspace held); else the
+ * failure, recorded with `fn` (the public call) in the message. */
+mokResult_t mok_gpu_check_supported(mok_layer_t l, const char *fn);
 void mok_gpu_track_stream(mok_layer_t l, mok_stream_t stream);
 
 /* CUDA helpers (src/cuda_host.c); without CUDA they report MOK_ERROR_NO_DEVICE. */

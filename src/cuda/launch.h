@@ -9,6 +9,7 @@
 #define MOK_CUDA_LAUNCH_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "mok.h"
 
@@ -78,6 +79,23 @@ typedef struct {
  * MOK_ERROR_NO_DEVICE without a usable device. Shape rules: K % 8 == 0 and N % 8 == 0 (16-byte
  * row strides for TMA); SwiGLU also needs b2. */
 mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *stream);
+
+/* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
+ * (pointers, int32 offsets, one CTA per SM): the callers fill in their tensors. */
+static inline mok_grouped_gemm_params_t mok_gg_bf16_params(mok_gg_epilogue_t epi,
+                                                           mok_gg_layout_t b_layout, int64_t groups,
+                                                           int64_t m, int64_t n, int64_t k) {
+  mok_grouped_gemm_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.dtype = MOK_GG_BF16;
+  p.b_layout = b_layout;
+  p.epilogue = epi;
+  p.num_groups = groups;
+  p.m_total = m;
+  p.n = n;
+  p.k = k;
+  return p;
+}
 
 /* Weight-gradient ("k-grouped") GEMM, src/cuda/grouped_wgrad.cu: the groups split the reduction.
  *   C[g] [N, K] = epilogue( A_gᵀ · B_g ) = epilogue( Σ_{r in group g} A[r]ᵀ ⊗ B[r] )
