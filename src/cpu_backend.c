@@ -63,14 +63,10 @@ static void arena_free(arena_t *a) {
   a->n = 0;
 }
 
-/* Dequantizes operand `which` into [count, R, C] doubles in the GEMM's orientation (a transposed
- * copy is transposed back). */
-static double *dequant_operand(arena_t *ar, const mok_qw_layout_t *q, int which, int transposed,
-                               const uint8_t *buf) {
-  const mok_qw_operand_t *o = &q->op[which];
+/* Dequantizes operand o into [count, R, C] doubles in the GEMM's orientation (a transposed copy
+ * is transposed back). */
+static double *dequant_operand(arena_t *ar, const mok_qw_operand_t *o, const uint8_t *buf) {
   const int64_t rows = o->rows, cols = o->cols, n = o->count * rows * cols;
-  const size_t per_scale = (size_t)(((rows + o->br - 1) / o->br) * ((cols + o->bc - 1) / o->bc)) *
-                           (o->kind == MOK_QUANT_E8M0_SCALE ? 1 : 4);
   double *out = arena_zeros(ar, n);
   float *m = malloc(sizeof(float) * (size_t)(rows * cols > 0 ? rows * cols : 1));
   if (!out || !m) {
@@ -78,12 +74,12 @@ static double *dequant_operand(arena_t *ar, const mok_qw_layout_t *q, int which,
     return NULL;
   }
   for (int64_t e = 0; e < o->count; e++) {
-    mok_dequantize_host(buf + o->data + (size_t)(e * rows * cols), buf + o->scales + (size_t)e * per_scale,
+    mok_dequantize_host(buf + o->data + (size_t)(e * rows * cols), buf + o->scales + (size_t)e * o->scale_stride,
                         rows, cols, o->br, o->bc, o->kind, m);
     double *dst = out + e * rows * cols;
     for (int64_t r = 0; r < rows; r++)
       for (int64_t c = 0; c < cols; c++) {
-        if (transposed) dst[c * rows + r] = m[r * cols + c];
+        if (o->transposed) dst[c * rows + r] = m[r * cols + c];
         else dst[r * cols + c] = m[r * cols + c];
       }
   }
@@ -116,8 +112,7 @@ static mokResult_t effective_weights(mok_layer_t l, const mok_weights_t *w, aren
                                       &rw->wsg,  &rw->wsu,  &rw->wsd,  &rw->wsg_b, &rw->wsu_b, &rw->wsd_b};
   for (int i = 0; i < MOK_QW_COUNT; i++) {
     if (q.op[i].count == 0) continue;
-    int transposed = (i >= MOK_QW_WG_T && i <= MOK_QW_WD_T) || i >= MOK_QW_WSG_T;
-    if (!(*dst[i] = dequant_operand(ar, &q, i, transposed, buf))) goto oom;
+    if (!(*dst[i] = dequant_operand(ar, &q.op[i], buf))) goto oom;
   }
   return MOK_SUCCESS;
 oom:

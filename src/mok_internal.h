@@ -76,6 +76,8 @@ typedef struct {
   int64_t count, rows, cols;
   int br, bc;
   mok_quant_scale_t kind;
+  int transposed;      /* a backward copy: stored as the transpose of its bf16 source */
+  size_t scale_stride; /* bytes of one expert's scales */
 } mok_qw_operand_t;
 
 typedef enum {

@@ -40,6 +40,8 @@ void mok_qw_layout(const mok_layer_desc_t *d, int64_t EL, mok_qw_layout_t *out) 
     o->br = br;
     o->bc = bc;
     o->kind = kind;
+    o->transposed = (i >= MOK_QW_WG_T && i <= MOK_QW_WD_T) || i >= MOK_QW_WSG_T;
+    o->scale_stride = (size_t)(ceil_div(o->rows, br) * ceil_div(o->cols, bc)) * scale_bytes;
     if (d->precision == MOK_PRECISION_BF16 || o->rows == 0) { /* nothing stored */
       o->count = o->rows == 0 ? 0 : o->count;
       o->data = o->scales = off;
@@ -48,28 +50,26 @@ void mok_qw_layout(const mok_layer_desc_t *d, int64_t EL, mok_qw_layout_t *out) 
     o->data = off;
     off = align_up(off + (size_t)(o->count * o->rows * o->cols), 256);
     o->scales = off;
-    off = align_up(off + (size_t)(o->count * ceil_div(o->rows, br) * ceil_div(o->cols, bc)) * scale_bytes, 256);
+    off = align_up(off + (size_t)o->count * o->scale_stride, 256);
   }
   out->bytes = d->precision == MOK_PRECISION_BF16 ? 0 : off;
 }
 
-/* Quantizes `count` bf16 matrices [count, R, C] (transposed to [C, R] first when `transpose`) into
- * operand o of the buffer. */
-static mokResult_t quantize_operand(mok_layer_t l, const uint16_t *src, int transpose,
-                                    const mok_qw_operand_t *o, uint8_t *buf) {
+/* Quantizes the `count` bf16 source matrices of operand o (read transposed for a backward copy)
+ * into the buffer. */
+static mokResult_t quantize_operand(mok_layer_t l, const uint16_t *src, const mok_qw_operand_t *o,
+                                    uint8_t *buf) {
   const int64_t rows = o->rows, cols = o->cols; /* of the stored copy */
-  const size_t per_scale = (size_t)(ceil_div(rows, o->br) * ceil_div(cols, o->bc)) *
-                           (o->kind == MOK_QUANT_E8M0_SCALE ? 1 : 4);
   float *m = malloc(sizeof(float) * (size_t)(rows * cols));
   if (!m) return mok_fail(l, MOK_ERROR_OUT_OF_MEMORY, "mok_quantize_weights: malloc");
   for (int64_t e = 0; e < o->count; e++) {
     const uint16_t *w = src + e * rows * cols;
     for (int64_t r = 0; r < rows; r++)
       for (int64_t c = 0; c < cols; c++) /* the source is [cols, rows] when transposed */
-        m[r * cols + c] = mok_bf16_to_float(transpose ? w[c * rows + r] : w[r * cols + c]);
+        m[r * cols + c] = mok_bf16_to_float(o->transposed ? w[c * rows + r] : w[r * cols + c]);
     mokResult_t res = mok_quantize_host(m, rows, cols, o->br, o->bc, o->kind,
                                         buf + o->data + (size_t)(e * rows * cols),
-                                        buf + o->scales + (size_t)e * per_scale);
+                                        buf + o->scales + (size_t)e * o->scale_stride);
     if (res != MOK_SUCCESS) {
       free(m);
       return mok_fail(l, res, "mok_quantize_weights: %s", mok_last_error());
@@ -86,8 +86,7 @@ mokResult_t mok_cpu_quantize_weights(mok_layer_t l, const mok_weights_t *w, void
                                        w->wsg, w->wsu, w->wsd, w->wsg, w->wsu, w->wsd};
   for (int i = 0; i < MOK_QW_COUNT; i++) {
     if (q.op[i].count == 0) continue;
-    int transpose = (i >= MOK_QW_WG_T && i <= MOK_QW_WD_T) || i >= MOK_QW_WSG_T;
-    mokResult_t r = quantize_operand(l, src[i], transpose, &q.op[i], out);
+    mokResult_t r = quantize_operand(l, src[i], &q.op[i], out);
     if (r != MOK_SUCCESS) return r;
   }
   return MOK_SUCCESS;

@@ -270,7 +270,7 @@ extern "C" mokResult_t mok_quantize_weights_gpu(const mok_layer_desc_t *d, int64
     mok_quantize_params_t p;
     memset(&p, 0, sizeof(p));
     p.in = src[i];
-    p.transpose = (i >= MOK_QW_WG_T && i <= MOK_QW_WD_T) || i >= MOK_QW_WSG_T;
+    p.transpose = o->transposed;
     p.count = o->count;
     p.rows = o->rows;
     p.cols = o->cols;
