@@ -12,8 +12,12 @@
  *   shared down          ys [T, H] fp32 = as · Wsdᵀ
  *   reduce               y [T, H] = bf16(ys + yk(slot 0) + ... + yk(slot K-1))
  *
- * This is also the unfused reference the fused persistent kernel will be tested against. Buffers
- * are the regions of src/workspace.h. Errors the kernels find (bad routing, capacity overflow)
+ * That chain is the unfused reference. By default the same forward runs fused: the layout kernel,
+ * then ONE persistent kernel (src/cuda/forward_fused.cu) that gathers, runs all GEMM tiles and
+ * reduces, coordinated by counters; its results are bitwise those of the chain. The environment
+ * variable MOK_FORWARD=chain selects the chain (tests and benchmarks compare the two), and
+ * MOK_FORWARD_SMS=n runs the fused kernel on n CTAs (the bits do not change). Buffers are the
+ * regions of src/workspace.h. Errors the kernels find (bad routing, capacity overflow)
  * make the call compute nothing and wait in the workspace's error word for mok_layer_check.
  * Other GPU layers (W > 1, fp8) allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED.
  */
@@ -142,7 +146,13 @@ static mokResult_t gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, c
   return MOK_SUCCESS;
 }
 
-/* The kernel chain of one forward (see the banner). */
+/* The fused kernel unless MOK_FORWARD=chain (read at every call: a test and benchmark knob). */
+static int gpu_fused(void) {
+  const char *e = getenv("MOK_FORWARD");
+  return !(e && strcmp(e, "chain") == 0);
+}
+
+/* The kernels of one forward (see the banner). */
 static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a, void *y,
                                      char *ctx, void *stream) {
   const struct mok_gpu_layer *g = l->gpu;
@@ -170,10 +180,32 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   p.ctx_offsets = (int32_t *)(ctx + lay->ctx[MOK_CTX_OFFSETS]);
   p.layer_id = l->id;
   p.context_mode = l->d.context_mode;
+  p.row_tok = (int32_t *)(ws + lay->ws[MOK_WS_ROW_TOK]);
+  p.tile_pre = (int32_t *)(ws + lay->ws[MOK_WS_TILE_PRE]);
+  p.counters = (uint32_t *)(ws + lay->ws[MOK_WS_COUNTERS]);
+  p.n_counters = mok_fc_count(R, E, l->d.max_tokens);
 
   mokResult_t r = mok_fwd_layout_launch(&p, stream);
   if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);
   if (T == 0) return MOK_SUCCESS; /* the layout wrote the context header; nothing else to do */
+  if (gpu_fused()) {
+    mok_fwd_fused_params_t f;
+    memset(&f, 0, sizeof(f));
+    f.l = p;
+    f.I = I;
+    f.wg = a->w.wg, f.wu = a->w.wu, f.wd = a->w.wd;
+    f.wsg = a->w.wsg, f.wsu = a->w.wsu, f.wsd = a->w.wsd;
+    f.a = ws + lay->ws[MOK_WS_A];
+    f.as = Is > 0 ? ws + lay->ws[MOK_WS_AS] : NULL;
+    f.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
+    f.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
+    f.gs_out = save && Is > 0 ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
+    f.us_out = save && Is > 0 ? ctx + lay->ctx[MOK_CTX_US] : NULL;
+    const char *sms = getenv("MOK_FORWARD_SMS");
+    f.num_sms = sms ? atoi(sms) : 0;
+    r = mok_fwd_fused_launch(&f, stream);
+    return r == MOK_SUCCESS ? MOK_SUCCESS : gpu_launcher_failed(l, r);
+  }
   r = mok_fwd_gather_launch(&p, stream);
   if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);
 
@@ -304,6 +336,12 @@ mokResult_t mok_gpu_check(mok_layer_t l) {
                    : e.value == MOK_WS_CTX_ROUTING ? "other topk_idx"
                                                    : "other context mode",
                    (long long)e.token);
+  else if (e.kind == MOK_WS_ERR_TIMEOUT)
+    res = mok_fail(l, MOK_ERROR_TIMEOUT,
+                   "the fused forward's task %lld waited past the timeout on counter %lld (it "
+                   "reached %lld of %lld): that forward's results are wrong. This points to a "
+                   "scheduling bug, or to CTAs that could not all run at once; please report it",
+                   (long long)e.token, (long long)e.slot, (long long)e.value, (long long)e.limit);
   else
     res = mok_fail(l, e.code > 0 && e.code < MOK_NUM_RESULTS ? (mokResult_t)e.code
                                                              : MOK_ERROR_INTERNAL,

@@ -11,6 +11,10 @@
  *   shared_offsets [2] int32           {0, T}: the one group of the shared GEMMs ({0, 0}: invalid)
  *   slot_row       [T_max, K] int32    row of (token, slot) in expert order, -1 for an empty slot
  *   row_w          [R] fp32            router weight of each row
+ *   row_tok        [R] int32           token of each row (the fused forward gathers x through it)
+ *   tile_pre       [E + 1] int32       prefix sums of row tiles per expert, ceil(rows_e / 128)
+ *   counters       [mok_fc_count] u32  the fused forward's task counters (MOK_FC_*), zeroed by
+ *                                      the layout kernel of every call
  *   xg             [R, H] bf16         gathered token rows, expert order
  *   yk             [R, H] bf16         expert outputs; NOTE: aliases xg (read by the gate/up GEMM,
  *                                      written by the down GEMM, which runs after it on the stream)
@@ -62,8 +66,10 @@ typedef enum {
   MOK_WS_ERR_ID_RANGE = 1, /* topk_idx[token][slot] = value is outside [-1, limit = E) */
   MOK_WS_ERR_REPEAT = 2,   /* topk_idx[token][slot] = value, already used by slot `limit` */
   MOK_WS_ERR_CAPACITY = 3, /* value routed rows, capacity limit rows */
-  MOK_WS_ERR_CONTEXT = 4   /* backward: the context's header differs in field `value`
+  MOK_WS_ERR_CONTEXT = 4,  /* backward: the context's header differs in field `value`
                               (mok_ws_ctx_field_t); token = the header's num_tokens */
+  MOK_WS_ERR_TIMEOUT = 5   /* fused forward: a task waited past the timeout on counter `slot`
+                              (MOK_FC_*), which had reached `value` of `limit`; token = the task */
 } mok_ws_err_kind_t;
 
 /* Which field of the context header told a backward that its context does not match. */
@@ -84,7 +90,7 @@ typedef struct {
 
 typedef enum {
   MOK_WS_ERROR = 0, MOK_WS_STATUS, MOK_WS_OFFSETS, MOK_WS_SHARED_OFFSETS, MOK_WS_SLOT_ROW,
-  MOK_WS_ROW_W, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
+  MOK_WS_ROW_W, MOK_WS_ROW_TOK, MOK_WS_TILE_PRE, MOK_WS_COUNTERS, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
   /* backward */
   MOK_WS_DYG, MOK_WS_DS, MOK_WS_DG, MOK_WS_DU, MOK_WS_DXK, MOK_WS_DW_ROW, MOK_WS_DSS, MOK_WS_DGS,
   MOK_WS_DUS, MOK_WS_DXS, MOK_WS_G, MOK_WS_U, MOK_WS_GS, MOK_WS_US, MOK_WS_WGRAD32,
@@ -113,6 +119,19 @@ typedef struct {
 
 MOK_WS_FN size_t mok_ws_align(size_t x) { return (x + 255) & ~(size_t)255; }
 
+/* The fused forward's counters (uint32, src/cuda/forward_fused.cu), each counting warpgroup
+ * releases (2 per finished tile):
+ *   MOK_FC_DOWN      routed DOWN tiles
+ *   MOK_FC_SD        shared-expert down tiles
+ *   MOK_FC_ABORT     nonzero once a wait timed out: every later wait gives up at once
+ *   MOK_FC_GU + j    GATE_UP tiles of routed row tile j (tile_pre numbering), j < R/128 + E
+ *   mok_fc_sgu + m   SHARED_GATE_UP tiles of token tile m, m < ceil(T_max / 128) */
+enum { MOK_FC_DOWN = 0, MOK_FC_SD = 1, MOK_FC_ABORT = 2, MOK_FC_GU = 32, MOK_FC_TILE_M = 128 };
+MOK_WS_FN int64_t mok_fc_sgu(int64_t R, int64_t E) { return MOK_FC_GU + R / MOK_FC_TILE_M + E; }
+MOK_WS_FN int64_t mok_fc_count(int64_t R, int64_t E, int64_t T_max) {
+  return mok_fc_sgu(R, E) + (T_max + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
+}
+
 /* The one layout of a GPU layer's workspace and context. */
 MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   const size_t T = (size_t)d->T_max, H = (size_t)d->H, I = (size_t)d->I, Is = (size_t)d->Is,
@@ -124,6 +143,10 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_SHARED_OFFSETS] = off, off = mok_ws_align(off + 2 * 4);
   l->ws[MOK_WS_SLOT_ROW] = off, off = mok_ws_align(off + T * K * 4);
   l->ws[MOK_WS_ROW_W] = off, off = mok_ws_align(off + R * 4);
+  l->ws[MOK_WS_ROW_TOK] = off, off = mok_ws_align(off + R * 4);
+  l->ws[MOK_WS_TILE_PRE] = off, off = mok_ws_align(off + (E + 1) * 4);
+  l->ws[MOK_WS_COUNTERS] = off,
+  off = mok_ws_align(off + (size_t)mok_fc_count((int64_t)R, (int64_t)E, (int64_t)T) * 4);
   l->ws[MOK_WS_XG] = off, l->ws[MOK_WS_YK] = off, off = mok_ws_align(off + R * H * 2);
   l->ws[MOK_WS_A] = off, off = mok_ws_align(off + R * I * 2);
   l->ws[MOK_WS_AS] = off, off = mok_ws_align(off + T * Is * 2);

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/error_word.cuh"
 #include "cuda/launch.h"
 #include "mok_internal.h"
 #include "workspace.h"
@@ -37,19 +38,6 @@ __device__ __forceinline__ uint64_t cc_mix(uint64_t i, int32_t e) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
-}
-
-// Writes the error word unless an earlier error is still pending there. One thread.
-__device__ void cc_record_error(mok_ws_error_t *err, int64_t field, int64_t header_tokens) {
-  volatile mok_ws_error_t *v = err;
-  if (v->code != 0) return;
-  v->kind = MOK_WS_ERR_CONTEXT;
-  v->token = header_tokens;
-  v->slot = -1;
-  v->value = field;
-  v->limit = 0;
-  __threadfence();
-  v->code = MOK_ERROR_CONTEXT_MISMATCH;
 }
 
 __global__ void __launch_bounds__(CC_THREADS, 1)
@@ -75,7 +63,9 @@ __global__ void __launch_bounds__(CC_THREADS, 1)
     else if (h->num_tokens != p.T) field = MOK_WS_CTX_TOKENS;
     else if (h->routing_hash != (uint64_t)s_hash) field = MOK_WS_CTX_ROUTING;
     else if (h->mode != p.context_mode) field = MOK_WS_CTX_MODE;
-    if (field) cc_record_error((mok_ws_error_t *)p.err, field, h->num_tokens);
+    if (field)
+      mok_ws_record_error((mok_ws_error_t *)p.err, MOK_ERROR_CONTEXT_MISMATCH,
+                          MOK_WS_ERR_CONTEXT, h->num_tokens, -1, field, 0);
     s_ok = field == 0;
     *p.status = field == 0;
     p.shared_offsets[0] = 0;

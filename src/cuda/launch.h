@@ -334,6 +334,10 @@ typedef struct {
   void *xg;                   /* [R, H] bf16 */
   const void *yk;             /* [R, H] bf16 */
   const float *ys;            /* [T, H] fp32, NULL when Is = 0 */
+  int32_t *row_tok;           /* [R] token of each row; written by the layout when not NULL */
+  int32_t *tile_pre;          /* [E + 1] row-tile prefix sums (128-row tiles); as row_tok */
+  uint32_t *counters;         /* [n_counters] zeroed by the layout when not NULL */
+  int64_t n_counters;
   /* context regions (the layout kernel writes the header and copies of slot_row and offsets) */
   void *ctx_header;           /* mok_ctx_header_t */
   int32_t *ctx_slot_row;      /* [T_max, K] */
@@ -344,13 +348,42 @@ typedef struct {
 
 /* Validates routing (error word + status), counts rows per expert, offsets = exclusive prefix
  * sum, slot_row in (token, slot) order within each expert (src/cpu/layout.c with W = 1,
- * tile_m = 1), checks capacity, writes the context header. */
+ * tile_m = 1), checks capacity, writes the context header; and, for the fused forward, row_w,
+ * row_tok, tile_pre and zeroed counters. */
 mokResult_t mok_fwd_layout_launch(const mok_fwd_local_params_t *p, void *stream);
 /* xg[slot_row[t, k]] = x[t], row_w[slot_row[t, k]] = topk_w[t, k]. */
 mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, void *stream);
 /* y[t] = bf16(ys[t] + yk[row(t, 0)] + ... + yk[row(t, K-1)]), fp32, slot order, empty slots
  * skipped; y untouched when the call's status is 0. */
 mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream);
+
+/* ---- the fused forward (src/cuda/forward_fused.cu) ---------------------------------------------- */
+/*
+ * After the layout kernel (which writes row_tok, row_w, tile_pre and zeroes the counters), one
+ * persistent kernel runs every task of src/task_plan.h: SHARED_GATE_UP, GATE_UP (rows of x
+ * gathered through row_tok straight into the tile, SwiGLU and the router weight in the
+ * epilogue), DOWN, SHARED_DOWN and REDUCE, coordinated by the counters of src/workspace.h. Its
+ * results are bitwise those of the kernel chain above (same tiles, same epilogues, same reduce).
+ */
+typedef struct {
+  mok_fwd_local_params_t l;   /* as for the chain; xg is not used, row_tok / tile_pre / counters
+                                 must be set (and were written by this call's layout kernel) */
+  int64_t I;                  /* intermediate size of a routed expert */
+  const void *wg, *wu, *wd;   /* [E, I, H], [E, I, H], [E, H, I] bf16 */
+  const void *wsg, *wsu, *wsd;/* [Is, H], [Is, H], [H, Is] bf16 (Is > 0) */
+  void *a;                    /* [R, I] bf16: bf16(w · silu(g) · u) */
+  void *as;                   /* [T_max, Is] bf16 (Is > 0) */
+  void *g_out, *u_out;        /* [R, I] bf16 (optional: the SAVE context) */
+  void *gs_out, *us_out;      /* [T_max, Is] bf16 (optional) */
+  int num_sms;                /* CTAs; 0 = one per SM. Any count gives the same bits */
+  double timeout_s;           /* bound of each wait on a counter; 0 = 10 s */
+} mok_fwd_fused_params_t;
+
+/* MOK_ERROR_NULL_POINTER / INVALID_SHAPE / MISALIGNED on bad arguments, MOK_ERROR_CUDA when the
+ * launch fails (the kernel is launched cooperatively: every CTA resident at once, which the
+ * counters' deadlock freedom needs). A wait that times out writes MOK_ERROR_TIMEOUT to the error
+ * word and lets the kernel finish (with wrong results) instead of hanging. */
+mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, void *stream);
 
 /* ============================================================================================== */
 /* Quantizers (src/cuda/quantize.cu; include/mok.h "Quantizers" is the bit-exact specification)    */

@@ -9,7 +9,9 @@
  *      most once per token, so token order is (token, slot) order: the rows of src/cpu/layout.c
  *      with W = 1 and tile_m = 1 (no padding).
  *   2. offsets = exclusive prefix sum of the counts (one thread: E <= 1024 adds).
- *   3. slot_row += offsets[expert]; copies of slot_row and offsets go to the context.
+ *   3. slot_row += offsets[expert]; copies of slot_row and offsets go to the context; for the
+ *      fused forward also row_tok, row_w (the gather's row order), tile_pre (128-row tiles per
+ *      expert, prefix sums) and the fused kernel's counters, zeroed for this call.
  *
  * Bad routing (an id outside [-1, E), an expert twice in a token) and capacity overflow (more rows
  * than capacity_rows) make the whole call invalid: status = 0, offsets all 0 (the GEMMs find no
@@ -22,6 +24,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/error_word.cuh"
 #include "cuda/launch.h"
 #include "mok_internal.h"
 #include "workspace.h"
@@ -66,20 +69,6 @@ __device__ __forceinline__ int ll_slot_error(const int32_t *row, int64_t k, int6
     }
   }
   return 0;
-}
-
-// Writes the error word unless an earlier error is still pending there. One thread.
-__device__ void ll_record_error(mok_ws_error_t *err, int code, int kind, int64_t token,
-                                int64_t slot, int64_t value, int64_t limit) {
-  volatile mok_ws_error_t *v = err;
-  if (v->code != 0) return;
-  v->kind = kind;
-  v->token = token;
-  v->slot = slot;
-  v->value = value;
-  v->limit = limit;
-  __threadfence();
-  v->code = code;
 }
 
 __global__ void __launch_bounds__(LL_THREADS, 1)
@@ -165,14 +154,20 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
       const int64_t i = (int64_t)s_first_bad, t = i / K, k = i % K;
       int64_t other = 0;
       const int kind = ll_slot_error(p.topk_idx + t * K, k, E, &other);
-      ll_record_error(err, MOK_ERROR_INVALID_ROUTING, kind, t, k, p.topk_idx[i], other);
+      mok_ws_record_error(err, MOK_ERROR_INVALID_ROUTING, kind, t, k, p.topk_idx[i], other);
     } else if (acc > p.capacity_rows) {
       ok = 0;
-      ll_record_error(err, MOK_ERROR_CAPACITY_OVERFLOW, MOK_WS_ERR_CAPACITY, -1, -1, acc,
+      mok_ws_record_error(err, MOK_ERROR_CAPACITY_OVERFLOW, MOK_WS_ERR_CAPACITY, -1, -1, acc,
                       p.capacity_rows);
     }
     s_ok = ok;
     *p.status = ok;
+    int32_t tiles = 0;  // row-tile prefix sums into pre[0..E] (the warp prefixes are done)
+    for (int64_t e = 0; e < E; e++) {
+      pre[e] = ok ? tiles : 0;
+      tiles += (count[e] + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
+    }
+    pre[E] = ok ? tiles : 0;
     p.shared_offsets[0] = 0;
     p.shared_offsets[1] = ok ? (int32_t)T : 0;
     mok_ctx_header_t *h = (mok_ctx_header_t *)p.ctx_header;
@@ -191,12 +186,19 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
     const int32_t v = ok ? offs[e] : 0;
     p.offsets[e] = v;
     p.ctx_offsets[e] = v;
+    if (p.tile_pre) p.tile_pre[e] = pre[e];
   }
+  if (p.counters)
+    for (int64_t i = threadIdx.x; i < p.n_counters; i += blockDim.x) p.counters[i] = 0;
   for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) {
     int32_t r = p.slot_row[i];  // written by this CTA before the barriers above
     if (r >= 0) r = ok ? r + offs[p.topk_idx[i]] : -1;
     p.slot_row[i] = r;
     p.ctx_slot_row[i] = r;
+    if (r >= 0 && p.row_tok) {
+      p.row_tok[r] = (int32_t)(i / K);
+      p.row_w[r] = p.topk_w[i];
+    }
   }
 }
 
@@ -206,7 +208,8 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
 
 extern "C" mokResult_t mok_fwd_layout_launch(const mok_fwd_local_params_t *p, void *stream) {
   if (!p || !p->err || !p->status || !p->offsets || !p->shared_offsets || !p->slot_row ||
-      !p->ctx_header || !p->ctx_slot_row || !p->ctx_offsets || (p->T > 0 && !p->topk_idx))
+      !p->ctx_header || !p->ctx_slot_row || !p->ctx_offsets || (p->T > 0 && !p->topk_idx) ||
+      (p->row_tok && (!p->row_w || (p->T > 0 && !p->topk_w))) || (p->n_counters > 0 && !p->counters))
     return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "layout launch: NULL buffer");
   if (p->E < 1 || p->E > MOK_FWD_MAX_EXPERTS || p->K < 1 || p->K > MOK_FWD_MAX_TOP_K ||
       p->T < 0 || p->T * p->K >= INT32_MAX || p->capacity_rows >= INT32_MAX)

@@ -176,6 +176,41 @@ __device__ __forceinline__ void ptx_named_barrier_sync(int id, int threads) {
 }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* cp.async (16-byte copies into shared memory) and counters in global memory                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+// 16 bytes global -> shared, asynchronous; src_bytes = 0 reads nothing and writes zeros.
+__device__ __forceinline__ void ptx_cp_async_16(void *dst, const void *src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(ptx_smem_addr(dst)),
+               "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+// An arrival on `bar` once this thread's earlier cp.async copies have landed. .noinc: it counts as
+// one of the arrivals the barrier was initialized with.
+__device__ __forceinline__ void ptx_cp_async_mbar_arrive_noinc(uint64_t *bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(ptx_smem_addr(bar))
+               : "memory");
+}
+
+// GPU-scope acquire load and release add of a 32-bit counter in global memory.
+__device__ __forceinline__ uint32_t ptx_ld_acquire_gpu(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void ptx_red_release_gpu_add(uint32_t *p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Orders this thread's view of global memory (generic proxy) before its later TMA reads (async
+// proxy): data another SM stored with ordinary stores and published with a release, observed here
+// with an acquire, is then what the TMA unit reads.
+__device__ __forceinline__ void ptx_fence_proxy_async_global(void) {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Register reallocation between warpgroups                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 

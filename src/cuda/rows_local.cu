@@ -4,9 +4,8 @@
  *
  *   gather:  xg[slot_row[t, k]] = x[t]  and  row_w[slot_row[t, k]] = topk_w[t, k]
  *   reduce:  y[t] = bf16( ys[t] + yk[row(t, 0)] + ... + yk[row(t, K-1)] )
- *            an fp32 sum in slot order that skips empty slots: DESIGN.md section 2, the same
- *            additions in the same order as the CPU reference (src/cpu/ref_layer.c), so equal yk
- *            and ys give bitwise equal y.
+ *            (rows_local.cuh, shared with the fused forward), so equal yk and ys give bitwise
+ *            equal y.
  *
  * One warp per token, 16-byte loads and stores (H % 128 == 0, so every row is 16-byte aligned).
  * Both kernels return at once when the call's status (written by the layout kernel) is 0.
@@ -17,6 +16,7 @@
 #include <stdint.h>
 
 #include "cuda/launch.h"
+#include "cuda/rows_local.cuh"
 #include "mok_internal.h"
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
@@ -59,16 +59,6 @@ __global__ void __launch_bounds__(RL_THREADS)
   }
 }
 
-__device__ __forceinline__ void rl_add_bf16x8(float (&acc)[8], uint4 v) {
-  const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
-#pragma unroll
-  for (int j = 0; j < 4; j++) {
-    const float2 f = __bfloat1622float2(h[j]);
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
-
 __global__ void __launch_bounds__(RL_THREADS)
     rl_reduce_kernel(const __grid_constant__ mok_fwd_local_params_t p) {
   __shared__ int32_t s_rows[RL_WARPS][MOK_FWD_MAX_TOP_K];
@@ -77,30 +67,9 @@ __global__ void __launch_bounds__(RL_THREADS)
   const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
   int32_t *rows = s_rows[warp];
   if (!rl_token_rows(p, t, rows)) return;
-  const int64_t K = p.K, H8 = p.H / 8;
-  const uint4 *yk = (const uint4 *)p.yk;                                   // [R, H / 8]
-  const float4 *ys = p.ys ? (const float4 *)p.ys + t * (H8 * 2) : NULL;  // [H / 4] of token t
-  uint4 *y = (uint4 *)p.y + t * H8;                                        // [H / 8] of token t
-  for (int64_t c = lane; c < H8; c += 32) {
-    float acc[8];
-    if (ys) {
-      const float4 a = ys[2 * c], b = ys[2 * c + 1];
-      acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
-      acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; j++) acc[j] = 0.0f;
-    }
-    for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
-      const int32_t r = rows[k];
-      if (r >= 0) rl_add_bf16x8(acc, yk[(int64_t)r * H8 + c]);
-    }
-    uint4 out;
-    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
-#pragma unroll
-    for (int j = 0; j < 4; j++) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-    y[c] = out;
-  }
+  const int64_t H8 = p.H / 8;
+  rl_reduce_token(rows, p.K, H8, (const uint4 *)p.yk,
+                  p.ys ? (const float4 *)p.ys + t * (H8 * 2) : NULL, (uint4 *)p.y + t * H8, lane);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -1,9 +1,11 @@
 /*
- * test_forward.cu: the unfused GPU forward of a W = 1 BF16 layer (src/gpu_backend.c and its
- * kernels) against the CPU layer on the same inputs (tolerance: forward_test_util.cuh), plus what
- * only the GPU has: the layout against src/cpu/layout.c, bitwise run-to-run determinism, CUDA
- * graph capture and replay with new routing in the same buffers, asynchronous errors reported by
- * mok_layer_check with y untouched, and the saved context. Every test skips without a GPU.
+ * test_forward.cu: the GPU forward of a W = 1 BF16 layer (src/gpu_backend.c: the fused
+ * persistent kernel by default) against the CPU layer on the same inputs (tolerance:
+ * forward_test_util.cuh), plus what only the GPU has: the layout against src/cpu/layout.c,
+ * bitwise run-to-run determinism, CUDA graph capture and replay with new routing in the same
+ * buffers, asynchronous errors reported by mok_layer_check with y untouched, the saved context,
+ * and the fused kernel bitwise equal to the unfused kernel chain on several CTA counts. Every
+ * test skips without a GPU.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -401,4 +403,83 @@ MOK_TEST(fwd_gpu_qwen3_30b_a3b_sampled_tokens_match_cpu) {
   MOK_REQUIRE(cpu_forward(&p, S, xs.data(), is.data(), ws.data(), 0, S, &ref, NULL) == MOK_SUCCESS);
   MOK_EXPECT(fwd_compare_y("Qwen3-30B-A3B, 64 of 4096 tokens", ys.data(), ref.data(), S, H));
   fwd_gpu_close(&g);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The fused kernel against the kernel chain                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+// One forward through `path` ("fused" or "chain"; MOK_FORWARD) on `sms` CTAs (MOK_FORWARD_SMS,
+// NULL = one per SM), from poisoned outputs: y and the whole saved context.
+static void run_path(fwd_gpu_t *g, const fwd_problem_t *p, const char *path, const char *sms,
+                     std::vector<uint16_t> *y, std::vector<uint8_t> *c, const char *what) {
+  setenv("MOK_FORWARD", path, 1);
+  if (sms) setenv("MOK_FORWARD_SMS", sms, 1);
+  cudaMemset(g->y, 0xFF, (size_t)(p->T_max * p->H) * 2);
+  cudaMemset(g->ctx, 0xAB, g->ctx_bytes);
+  const mokResult_t r = fwd_gpu_forward(g, p->T, 0);
+  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s, sms %s): mok_forward: %s", what, path,
+                 sms ? sms : "auto", mok_last_error());
+  const mokResult_t rc = mok_layer_check(g->l);
+  MOK_EXPECT_MSG(rc == MOK_SUCCESS, "%s (%s, sms %s): mok_layer_check: %s", what, path,
+                 sms ? sms : "auto", mok_last_error());
+  unsetenv("MOK_FORWARD");
+  unsetenv("MOK_FORWARD_SMS");
+  *y = fwd_gpu_y(g, p->T, p->H);
+  *c = fwd_gpu_ctx(g);
+}
+
+// The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM.
+static void fused_case(fwd_problem_t *p, const char *what) {
+  fwd_gpu_t g;
+  MOK_REQUIRE(fwd_gpu_open(&g, p));
+  fwd_gpu_inputs(&g, p);
+  std::vector<uint16_t> y0, y;
+  std::vector<uint8_t> c0, c;
+  run_path(&g, p, "chain", NULL, &y0, &c0, what);
+  const char *sms[4] = {NULL, "1", "3", "7"};
+  for (int i = 0; i < 4; i++) {
+    run_path(&g, p, "fused", sms[i], &y, &c, what);
+    int64_t bad = 0, first = -1;
+    for (size_t j = 0; j < y.size(); j++)
+      if (y[j] != y0[j]) bad++, first = first < 0 ? (int64_t)j : first;
+    MOK_EXPECT_MSG(bad == 0, "%s: fused on %s CTAs: %lld of %zu y elements differ from the chain "
+                   "(first at %lld: %04x vs %04x)", what, sms[i] ? sms[i] : "all", (long long)bad,
+                   y.size(), (long long)first, first >= 0 ? y[first] : 0, first >= 0 ? y0[first] : 0);
+    MOK_EXPECT_MSG(c == c0, "%s: fused on %s CTAs: the saved context differs from the chain's",
+                   what, sms[i] ? sms[i] : "all");
+  }
+  fwd_gpu_close(&g);
+}
+
+MOK_TEST(fwd_gpu_fused_equals_chain_bitwise) {
+  NEED_GPU();
+  struct {
+    int64_t H, I, E, K, Is, T;
+    route_t r;
+    mok_context_mode_t mode;
+    const char *what;
+  } cases[] = {
+      {256, 128, 8, 2, 128, 100, {0.1, 0, -1}, MOK_CONTEXT_SAVE, "small, shared expert"},
+      {256, 256, 8, 2, 0, 257, {0.0, 0, -1}, MOK_CONTEXT_SAVE, "T = 257, no shared expert"},
+      {256, 128, 8, 2, 128, 300, {0.0, 0, 5}, MOK_CONTEXT_SAVE, "every token to expert 5"},
+      {256, 128, 8, 2, 0, 100, {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1}, MOK_CONTEXT_SAVE,
+       "experts 0, 3, 6 empty"},
+      {256, 128, 8, 1, 128, 100, {0.0, 0, -1}, MOK_CONTEXT_SAVE, "K = 1"},
+      {256, 128, 8, 4, 128, 100, {0.45, 0, -1}, MOK_CONTEXT_SAVE, "K = 4, -1 slots"},
+      {256, 128, 8, 2, 128, 100, {1.0, 0, -1}, MOK_CONTEXT_SAVE, "every slot -1"},
+      {256, 128, 8, 2, 128, 1, {0.0, 0, -1}, MOK_CONTEXT_SAVE, "T = 1"},
+      {384, 256, 8, 2, 256, 500, {0.1, 0, -1}, MOK_CONTEXT_RECOMPUTE,
+       "H = 384 (half a DOWN tile), recompute mode"},
+      {1024, 384, 64, 6, 256, 3000, {0.05, 0, -1}, MOK_CONTEXT_SAVE,
+       "E = 64, K = 6, T = 3000, shared expert"},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    fwd_problem_t p;
+    fwd_problem_init(&p, cases[i].H, cases[i].I, cases[i].E, cases[i].K, cases[i].Is, cases[i].T,
+                     cases[i].T);
+    p.mode = cases[i].mode;
+    fwd_route(&p, cases[i].r);
+    fused_case(&p, cases[i].what);
+  }
 }

@@ -1,0 +1,445 @@
+/*
+ * forward_fused.cu: the forward MoE layer on one GPU (W = 1, BF16) as one persistent kernel.
+ *
+ * It runs after the layout kernel (layout_local.cu) and walks the global task order of
+ * src/task_plan.h: SHARED_GATE_UP tiles, then per expert stage s the GATE_UP tiles of expert s
+ * and the DOWN tiles of expert s - 1, then SHARED_DOWN tiles, then REDUCE blocks. CTA b takes
+ * tasks b, b + grid, b + 2 grid, ... and each of its three warpgroups walks that same sequence:
+ *
+ *   producer warpgroup  fills the ring of tile_pipeline.cuh. B always comes by TMA (thread 0).
+ *                       A comes by TMA too, except for GATE_UP, whose rows are tokens of x in
+ *                       expert order: there each of the 128 threads copies one row of the tile
+ *                       (x[row_tok[row]]) with cp.async into the 128-byte swizzled layout TMA
+ *                       would have written, so the gather costs no pass over memory of its own.
+ *   consumer warpgroups wgmma into registers (rows 0-63 and 64-127 of the tile), then the
+ *                       epilogue of the task (SwiGLU + router weight, bf16, fp32), then release
+ *                       the task's counter; REDUCE blocks are theirs alone.
+ *
+ * Every tile is computed exactly as the unfused chain computes it (grouped_gemm.cu: same tile
+ * shape, same K order, same epilogue code), and the reduce is rows_local.cuh's, so the results
+ * are bitwise those of the chain, for any grid size.
+ *
+ * Counters (src/workspace.h, MOK_FC_*; zeroed by this call's layout kernel) count warpgroup
+ * releases, 2 per tile:
+ *   DOWN(e, m, *)      waits for  GU[tile_pre[e] + m]  = 2 n_gu   (its rows of a are complete)
+ *   SHARED_DOWN(m, *)  waits for  SGU[m]               = 2 n_sgu
+ *   REDUCE(*)          waits for  DOWN = 2 n_down tile_pre[E]  and  SD = 2 n_sd t_tiles
+ * A release: the warpgroup's stores, a named barrier, then one thread's fence + red.release.gpu.
+ * A wait (producer thread 0, or one consumer thread per warpgroup): ld.acquire.gpu in a loop; a
+ * TMA read of the data then follows a proxy fence (the data was written through the generic
+ * proxy), and ordinary reads of it go to L2 (.cg).
+ *
+ * NOTE (deadlock freedom, src/task_plan.h): every task waits only on tasks earlier in the order;
+ * each CTA finishes its tasks in increasing order (the producer never waits on a task of its own
+ * CTA that is not already loaded: it runs ahead only by issuing loads), and the launch is
+ * cooperative, so every CTA is resident. Then the earliest unfinished task can always finish.
+ * Waits are still bounded (timeout_s): a wait that times out reports MOK_ERROR_TIMEOUT through
+ * the error word, raises MOK_FC_ABORT so that every other wait gives up at once, and the kernel
+ * runs to its end with wrong results instead of hanging.
+ */
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda/error_word.cuh"
+#include "cuda/gemm_epilogue.cuh"
+#include "cuda/launch.h"
+#include "cuda/ptx.cuh"
+#include "cuda/rows_local.cuh"
+#include "cuda/tile_pipeline.cuh"
+#include "cuda/tma.cuh"
+#include "mok_internal.h"
+#include "task_plan.h"
+#include "workspace.h"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
+#error "MoK's forward kernels target sm_90a (Hopper) and newer"
+#endif
+
+enum { FK_BM = MOK_FC_TILE_M, FK_BN = 256, FK_STAGES = 4 };
+typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 0> fk_plan;
+static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)");
+
+// Every producer thread arrives on a full barrier once per stage (GATE_UP: its cp.async arrival;
+// other tasks: a plain one), thread 0 once more with the stage's TMA byte count.
+#define FK_FULL_ARRIVALS (128 + 1)
+#define FK_BAR_CONSUMER 1  // named barriers 1, 2: the consumer warpgroups
+
+// Dynamic shared memory: the ring, its barriers, then offsets [E + 1] and tile_pre [E + 1].
+static size_t fk_smem_bytes(int64_t E) { return fk_plan::ALLOC_BYTES + 2 * (size_t)(E + 1) * 4; }
+
+typedef struct {
+  CUtensorMap x;        // [T, H], box [128, 64]: SHARED_GATE_UP's A
+  CUtensorMap wg, wu;   // [E I, H], box [128, 64]
+  CUtensorMap a;        // [R, I]: DOWN's A
+  CUtensorMap wd;       // [E H, I]
+  CUtensorMap as;       // [T, Is]: SHARED_DOWN's A
+  CUtensorMap wsg, wsu; // [Is, H]
+  CUtensorMap wsd;      // [H, Is]
+} fk_maps_t;
+
+typedef struct {
+  mok_fwd_fused_params_t f;
+  uint64_t timeout_ns;
+  uint32_t sgu_base;    // counter index of SGU[0]
+} fk_params_t;
+
+// One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
+typedef struct {
+  int kind;
+  int k_blocks;
+  int64_t row0, row_end;  // rows of A and C: [row0, min(row0 + 128, row_end)) are stored
+  int n0, n;              // first output column; output columns (the row length of C)
+  const CUtensorMap *a;   // NULL: GATE_UP, rows gathered from x
+  const CUtensorMap *b_lo, *b_hi;
+  int b_row_lo, b_row_hi;
+  int wait;               // counter to wait on before loading A (-1: none)
+  uint32_t wait_target;
+  int done;               // counter released when the tile is stored
+} fk_tile_t;
+
+__device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_maps_t &m,
+                                                 const mok_task_plan_t &plan,
+                                                 const int32_t *s_off, mok_task_t t) {
+  const mok_fwd_local_params_t &l = p.f.l;
+  fk_tile_t d;
+  d.kind = t.kind;
+  d.wait = -1;
+  d.wait_target = 0;
+  if (t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_DOWN) {
+    const int e = t.expert;
+    d.row0 = s_off[e] + (int64_t)FK_BM * t.m;
+    d.row_end = s_off[e + 1];
+    const int tile = MOK_FC_GU + plan.mt_pre[e] + t.m;
+    if (t.kind == MOK_TASK_GATE_UP) {
+      d.n0 = 128 * t.n, d.n = (int)p.f.I, d.k_blocks = (int)(l.H / 64);
+      d.a = NULL;
+      d.b_lo = &m.wg, d.b_hi = &m.wu;
+      d.b_row_lo = d.b_row_hi = e * (int)p.f.I + d.n0;  // gate and up rows of the same columns
+      d.done = tile;
+    } else {
+      d.n0 = FK_BN * t.n, d.n = (int)l.H, d.k_blocks = (int)(p.f.I / 64);
+      d.a = &m.a;
+      d.b_lo = d.b_hi = &m.wd;
+      d.b_row_lo = e * (int)l.H + d.n0, d.b_row_hi = d.b_row_lo + 128;
+      d.wait = tile, d.wait_target = 2u * (uint32_t)plan.n_gu;
+      d.done = MOK_FC_DOWN;
+    }
+  } else {  // the shared expert: one group of all T tokens
+    d.row0 = (int64_t)FK_BM * t.m;
+    d.row_end = l.T;
+    if (t.kind == MOK_TASK_SHARED_GATE_UP) {
+      d.n0 = 128 * t.n, d.n = (int)l.Is, d.k_blocks = (int)(l.H / 64);
+      d.a = &m.x;
+      d.b_lo = &m.wsg, d.b_hi = &m.wsu;
+      d.b_row_lo = d.b_row_hi = d.n0;
+      d.done = (int)p.sgu_base + t.m;
+    } else {
+      d.n0 = FK_BN * t.n, d.n = (int)l.H, d.k_blocks = (int)(l.Is / 64);
+      d.a = &m.as;
+      d.b_lo = d.b_hi = &m.wsd;
+      d.b_row_lo = d.n0, d.b_row_hi = d.n0 + 128;
+      d.wait = (int)p.sgu_base + t.m, d.wait_target = 2u * (uint32_t)plan.n_sgu;
+      d.done = MOK_FC_SD;
+    }
+  }
+  return d;
+}
+
+// Waits until counter `c` reaches `target` (acquire), or the timeout, or an abort.
+__device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task) {
+  uint32_t *ctr = p.f.l.counters;
+  uint32_t v = ptx_ld_acquire_gpu(ctr + c);
+  if (v >= target) return;
+  const uint64_t t0 = ptx_globaltimer_ns();
+  for (;;) {
+    __nanosleep(64);
+    v = ptx_ld_acquire_gpu(ctr + c);
+    if (v >= target) return;
+    if (*(volatile uint32_t *)(ctr + MOK_FC_ABORT)) return;
+    if (ptx_globaltimer_ns() - t0 > p.timeout_ns) {
+      mok_ws_record_error((mok_ws_error_t *)p.f.l.err, MOK_ERROR_TIMEOUT, MOK_WS_ERR_TIMEOUT, task,
+                          c, v, target);
+      atomicExch(ctr + MOK_FC_ABORT, 1u);
+      return;
+    }
+  }
+}
+
+// The producer warpgroup's share of one tile: k_blocks stages. lt: thread within the warpgroup.
+__device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
+                                           uint8_t *smem, uint64_t *full, uint64_t *empty, int lt) {
+  if (d.a) {
+    for (int kb = 0; kb < d.k_blocks; kb++) {
+      ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+      uint64_t *bar = &full[ring->stage];
+      if (lt == 0) {
+        uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
+        uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
+        ptx_mbar_arrive_expect_tx(bar, fk_plan::STAGE_BYTES);
+        ptx_tma_load_2d(a_tile, d.a, bar, kb * 64, (int)d.row0);
+        ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
+        ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
+      }
+      ptx_mbar_arrive(bar);
+      tp_ring_advance<FK_STAGES>(ring);
+    }
+    return;
+  }
+  // GATE_UP: thread lt copies row row0 + lt of the tile, 128 bytes (8 units of 16) per stage,
+  // unit c of tile row r to unit c ^ (r % 8) (the 128-byte swizzle; rows are 128 bytes and the
+  // stage is 1024-byte aligned). Rows past the expert's end are zeros: nothing of them is stored.
+  const int64_t row = d.row0 + lt;
+  const bool valid = row < d.row_end;
+  const char *src = (const char *)p.f.l.x + (valid ? (int64_t)p.f.l.row_tok[row] * p.f.l.H * 2 : 0);
+  const int swz = lt & 7;
+  for (int kb = 0; kb < d.k_blocks; kb++) {
+    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+    uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
+    uint64_t *bar = &full[ring->stage];
+    if (lt == 0) {
+      uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
+      ptx_mbar_arrive_expect_tx(bar, fk_plan::B_BYTES);
+      ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
+      ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
+    }
+    uint8_t *dst = a_tile + lt * MOK_TP_ROW_BYTES;
+    const char *s = src + kb * MOK_TP_ROW_BYTES;
+#pragma unroll
+    for (int c = 0; c < 8; c++) ptx_cp_async_16(dst + ((c ^ swz) << 4), s + 16 * c, valid ? 16u : 0u);
+    ptx_cp_async_mbar_arrive_noinc(bar);
+    tp_ring_advance<FK_STAGES>(ring);
+  }
+}
+
+// The epilogue of one tile for consumer warpgroup cw, then its release of the tile's counter.
+__device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_tile_t &d,
+                                            const float (&acc)[128], float2 w, int cw, int lt) {
+  const mok_fwd_fused_params_t &f = p.f;
+  const epi_coords_t e = epi_coords(d.row0, d.row_end, d.n0, d.n, d.n, cw);
+  if (d.kind == MOK_TASK_GATE_UP)
+    epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.a, (__nv_bfloat16 *)f.g_out,
+                          (__nv_bfloat16 *)f.u_out, w, e);
+  else if (d.kind == MOK_TASK_SHARED_GATE_UP)
+    epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.as, (__nv_bfloat16 *)f.gs_out,
+                          (__nv_bfloat16 *)f.us_out, w, e);
+  else if (d.kind == MOK_TASK_DOWN)
+    epi_store_bf16<128>(acc, (__nv_bfloat16 *)f.l.yk, e);
+  else
+    epi_store_f32<128, false>(acc, (float *)f.l.ys, e);
+  // NOTE: bar.sync counts whole warps, so each warp reconverges first (the stores branch per
+  // lane); likewise after the one-lane release, before the next tile's wgmma (.aligned).
+  __syncwarp();
+  ptx_named_barrier_sync(FK_BAR_CONSUMER + cw, 128);
+  if (lt == 0) {
+    __threadfence();
+    ptx_red_release_gpu_add(f.l.counters + d.done, 1u);
+  }
+  __syncwarp();
+}
+
+// REDUCE(b) for consumer warpgroup cw: tokens [128 b + 64 cw, + 64), one warp per token.
+__device__ __forceinline__ void fk_reduce(const fk_params_t &p, const mok_task_plan_t &plan,
+                                          int b, int64_t task, int cw, int lt) {
+  const mok_fwd_local_params_t &l = p.f.l;
+  if (lt == 0) {
+    fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]), task);
+    if (plan.n_sd > 0) fk_wait(p, MOK_FC_SD, 2u * (uint32_t)(plan.n_sd * plan.t_tiles), task);
+  }
+  __syncwarp();
+  ptx_named_barrier_sync(FK_BAR_CONSUMER + cw, 128);
+  const int64_t H8 = l.H / 8;
+  const int warp = lt / 32, lane = lt & 31;
+  const int64_t end = (int64_t)FK_BM * b + 64 * cw + 64 < l.T ? (int64_t)FK_BM * b + 64 * cw + 64 : l.T;
+  for (int64_t t = (int64_t)FK_BM * b + 64 * cw + warp; t < end; t += 4)
+    rl_reduce_token(l.slot_row + t * l.K, l.K, H8, (const uint4 *)l.yk,
+                    l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8, lane);
+}
+
+__global__ void __launch_bounds__(MOK_TP_THREADS, 1)
+    fk_forward_kernel(const __grid_constant__ fk_params_t p, const __grid_constant__ fk_maps_t m) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const mok_fwd_local_params_t &l = p.f.l;
+  if (*(volatile int32_t *)l.status == 0) return;  // invalid routing: the call computes nothing
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+  uint64_t *full = (uint64_t *)(smem + fk_plan::FULL_OFFSET);
+  uint64_t *empty = (uint64_t *)(smem + fk_plan::EMPTY_OFFSET);
+  int32_t *s_off = (int32_t *)(smem + fk_plan::BYTES);  // [E + 1]
+  int32_t *s_pre = s_off + l.E + 1;                     // [E + 1]
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < FK_STAGES; s++) {
+      ptx_mbar_init(&full[s], FK_FULL_ARRIVALS);
+      ptx_mbar_init(&empty[s], MOK_TP_CONSUMER_WARPS);
+    }
+    ptx_fence_mbarrier_init();
+  }
+  for (int64_t e = threadIdx.x; e <= l.E; e += blockDim.x) {
+    s_off[e] = l.offsets[e];
+    s_pre[e] = l.tile_pre[e];
+  }
+  // The plan lives in shared memory: registers are short in the consumers (128 accumulators).
+  // NOTE: thread 0 builds it from all of s_pre, so only after every thread's loads above.
+  __shared__ mok_task_plan_t s_plan;
+  __shared__ int64_t s_num_tasks;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mok_task_plan_t q;
+    q.E = (int32_t)l.E;
+    q.n_gu = (int32_t)(p.f.I / 128);
+    q.n_down = (int32_t)((l.H + FK_BN - 1) / FK_BN);
+    q.n_sgu = (int32_t)(l.Is / 128);
+    q.n_sd = l.Is > 0 ? q.n_down : 0;
+    q.t_tiles = (int32_t)((l.T + FK_BM - 1) / FK_BM);
+    q.mt_pre = s_pre;
+    s_plan = q;
+    s_num_tasks = mok_plan_num_tasks(&q);
+  }
+  __syncthreads();
+  const mok_task_plan_t &plan = s_plan;
+  const int64_t num_tasks = s_num_tasks;
+
+  const int wg = threadIdx.x / 128, lt = threadIdx.x & 127;
+  tp_ring_t ring = {0, 0};
+  if (wg == 0) {
+    if (lt == 0) {
+      ptx_prefetch_tensormap(&m.wg);
+      ptx_prefetch_tensormap(&m.wu);
+      ptx_prefetch_tensormap(&m.a);
+      ptx_prefetch_tensormap(&m.wd);
+    }
+    for (int64_t i = blockIdx.x; i < num_tasks; i += gridDim.x) {
+      const mok_task_t t = mok_plan_task(&plan, i);
+      if (t.kind == MOK_TASK_REDUCE) break;  // REDUCE tasks are last and need no loads
+      const fk_tile_t d = fk_describe(p, m, plan, s_off, t);
+      if (d.wait >= 0 && lt == 0) {
+        fk_wait(p, d.wait, d.wait_target, i);
+        ptx_fence_proxy_async_global();  // a was stored by other SMs' generic stores
+      }
+      fk_produce(p, d, &ring, smem, full, empty, lt);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else {
+    const int cw = wg - 1;
+    float acc[128];
+    for (int64_t i = blockIdx.x; i < num_tasks; i += gridDim.x) {
+      const mok_task_t t = mok_plan_task(&plan, i);
+      if (t.kind == MOK_TASK_REDUCE) {
+        fk_reduce(p, plan, t.m, i, cw, lt);
+        continue;
+      }
+      // Only what the mainloop needs is computed before it (the 128 accumulators leave few
+      // registers); the rest of the tile's description after.
+      float2 w = make_float2(1.0f, 1.0f);
+      if (t.kind == MOK_TASK_GATE_UP) {  // loaded before the mainloop: the latency hides behind it
+        const int64_t row0 = s_off[t.expert] + (int64_t)FK_BM * t.m;
+        w = epi_row_scales(l.row_w, epi_coords(row0, s_off[t.expert + 1], 0, 0, 0, cw));
+      }
+      const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? l.H
+                        : t.kind == MOK_TASK_DOWN                                     ? p.f.I
+                                                                                      : l.Is;
+      tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0>(&ring, smem, full, empty,
+                                                          (int)(k / 64), cw, acc);
+      fk_epilogue(p, fk_describe(p, m, plan, s_off, t), acc, w, cw, lt);
+    }
+  }
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Launcher                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+static int fk_a16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
+
+extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, void *stream) {
+  if (!p) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "fused forward launch: NULL params");
+  const mok_fwd_local_params_t *l = &p->l;
+  const int shared = l->Is > 0;
+  if (!l->status || !l->offsets || !l->slot_row || !l->row_w || !l->row_tok || !l->tile_pre ||
+      !l->counters || !l->err || !l->yk || !p->wg || !p->wu || !p->wd || !p->a ||
+      (l->T > 0 && (!l->x || !l->y)) ||
+      (shared && (!p->wsg || !p->wsu || !p->wsd || !p->as || !l->ys)))
+    return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "fused forward launch: NULL buffer");
+  const int64_t T = l->T, H = l->H, I = p->I, Is = l->Is, E = l->E, R = l->capacity_rows;
+  if (E < 1 || E > MOK_FWD_MAX_EXPERTS || l->K < 1 || l->K > MOK_FWD_MAX_TOP_K || T < 0 ||
+      H < 128 || H % 128 || I < 128 || I % 128 || Is < 0 || Is % 128 || R < 1 ||
+      R >= INT32_MAX || T >= INT32_MAX || E * I >= INT32_MAX || E * H >= INT32_MAX ||
+      l->n_counters < mok_fc_count(R, E, T))
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "fused forward launch: T = %lld, H = %lld, I = %lld, Is = %lld, E = %lld, "
+                    "R = %lld out of range (H, I, Is multiples of 128)",
+                    (long long)T, (long long)H, (long long)I, (long long)Is, (long long)E,
+                    (long long)R);
+  if (!fk_a16(l->x) || !fk_a16(l->y) || !fk_a16(l->yk) || !fk_a16(p->wg) || !fk_a16(p->wu) ||
+      !fk_a16(p->wd) || !fk_a16(p->a) || (p->g_out && !fk_a16(p->g_out)) ||
+      (p->u_out && !fk_a16(p->u_out)) ||
+      (shared && (!fk_a16(p->wsg) || !fk_a16(p->wsu) || !fk_a16(p->wsd) || !fk_a16(p->as) ||
+                  !fk_a16(l->ys))))
+    return mok_fail(NULL, MOK_ERROR_MISALIGNED, "fused forward launch: a tensor is not 16-byte "
+                    "aligned");
+  if (T == 0) return MOK_SUCCESS;
+
+  fk_params_t kp;
+  memset(&kp, 0, sizeof(kp));
+  kp.f = *p;
+  const double timeout_s = p->timeout_s > 0 ? p->timeout_s : 10.0;
+  kp.timeout_ns = (uint64_t)(timeout_s * 1e9);
+  kp.sgu_base = (uint32_t)mok_fc_sgu(R, E);
+
+  fk_maps_t m;
+  const int bad =
+      tma_encode_bf16_sw128(&m.x, l->x, (uint64_t)T, (uint64_t)H, 128) ||
+      tma_encode_bf16_sw128(&m.wg, p->wg, (uint64_t)(E * I), (uint64_t)H, 128) ||
+      tma_encode_bf16_sw128(&m.wu, p->wu, (uint64_t)(E * I), (uint64_t)H, 128) ||
+      tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)R, (uint64_t)I, 128) ||
+      tma_encode_bf16_sw128(&m.wd, p->wd, (uint64_t)(E * H), (uint64_t)I, 128) ||
+      (shared && (tma_encode_bf16_sw128(&m.as, p->as, (uint64_t)T, (uint64_t)Is, 128) ||
+                  tma_encode_bf16_sw128(&m.wsg, p->wsg, (uint64_t)Is, (uint64_t)H, 128) ||
+                  tma_encode_bf16_sw128(&m.wsu, p->wsu, (uint64_t)Is, (uint64_t)H, 128) ||
+                  tma_encode_bf16_sw128(&m.wsd, p->wsd, (uint64_t)H, (uint64_t)Is, 128)));
+  if (bad)
+    return mok_fail(NULL, MOK_ERROR_CUDA, "fused forward launch: encoding a TMA tensor map failed "
+                    "(no CUDA driver with cuTensorMapEncodeTiled?)");
+  if (!shared) m.as = m.wsg = m.wsu = m.wsd = m.x;  // never read
+
+  int device = 0, sms = 0, per_sm = 0;
+  const size_t smem = fk_smem_bytes(E);
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(fk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fk_forward_kernel, MOK_TP_THREADS, smem);
+  if (e == cudaSuccess && per_sm < 1) e = cudaErrorInvalidConfiguration;
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return mok_fail(NULL, MOK_ERROR_CUDA, "fused forward launch: setting up %zu bytes of shared "
+                    "memory per CTA: %s", smem, cudaGetErrorString(e));
+  }
+  const int resident = sms * per_sm;
+  const int grid = p->num_sms > 0 && p->num_sms < resident ? p->num_sms : resident;
+
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.gridDim = dim3((unsigned)grid, 1, 1);
+  cfg.blockDim = dim3(MOK_TP_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, fk_forward_kernel, kp, m);
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return mok_fail(NULL, MOK_ERROR_CUDA, "fused forward kernel launch (%d CTAs, %zu bytes of "
+                    "shared memory): %s", grid, smem, cudaGetErrorString(e));
+  }
+  return MOK_SUCCESS;
+}

@@ -1,0 +1,55 @@
+/*
+ * rows_local.cuh: the forward's combine of one token on one GPU, shared by the unfused reduce
+ * kernel (rows_local.cu) and the fused forward's REDUCE tasks (forward_fused.cu):
+ *
+ *   y[t] = bf16( ys[t] + yk[rows[0]] + ... + yk[rows[K-1]] )
+ *
+ * an fp32 sum in slot order that skips empty slots (rows[k] < 0): DESIGN.md section 2, the same
+ * additions in the same order as src/cpu/ref_layer.c. One warp per token, 16-byte chunks.
+ * NOTE: yk and ys are read at L2 (.cg): in the fused kernel other SMs wrote them during this
+ * launch, and this SM's L1 could hold older lines of the same addresses.
+ */
+#ifndef MOK_CUDA_ROWS_LOCAL_CUH
+#define MOK_CUDA_ROWS_LOCAL_CUH
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ void rl_add_bf16x8(float (&acc)[8], uint4 v) {
+  const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+// rows [K]: the expert-order row of each slot of the token (< 0: empty); yk [R, H/8] of 16-byte
+// chunks; ys_t: the token's fp32 shared-expert row or NULL; y_t: the token's bf16 output row.
+__device__ __forceinline__ void rl_reduce_token(const int32_t *rows, int64_t K, int64_t H8,
+                                                const uint4 *yk, const float4 *ys_t, uint4 *y_t,
+                                                int lane) {
+  for (int64_t c = lane; c < H8; c += 32) {
+    float acc[8];
+    if (ys_t) {
+      const float4 a = __ldcg(ys_t + 2 * c), b = __ldcg(ys_t + 2 * c + 1);
+      acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
+      acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+    }
+    for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
+      const int32_t r = rows[k];
+      if (r >= 0) rl_add_bf16x8(acc, __ldcg(yk + (int64_t)r * H8 + c));
+    }
+    uint4 out;
+    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
+#pragma unroll
+    for (int j = 0; j < 4; j++) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+    y_t[c] = out;
+  }
+}
+
+#endif /* MOK_CUDA_ROWS_LOCAL_CUH */
