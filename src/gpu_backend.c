@@ -12,12 +12,13 @@
  *   shared down          ys [T, H] fp32 = as · Wsdᵀ
  *   reduce               y [T, H] = bf16(ys + yk(slot 0) + ... + yk(slot K-1))
  *
- * That chain is the unfused reference. By default the same forward runs fused: the layout kernel,
- * then ONE persistent kernel (src/cuda/forward_fused.cu) that gathers, runs all GEMM tiles and
- * reduces, coordinated by counters; its results are bitwise those of the chain. The environment
- * variable MOK_FORWARD=chain selects the chain (tests and benchmarks compare the two), and
- * MOK_FORWARD_SMS=n runs the fused kernel on n CTAs (the bits do not change). Buffers are the
- * regions of src/workspace.h. Errors the kernels find (bad routing, capacity overflow)
+ * The same forward also runs fused (MOK_FORWARD=fused): the layout kernel, then ONE persistent
+ * kernel (src/cuda/forward_fused.cu) that gathers, runs all GEMM tiles and reduces, coordinated by
+ * counters; its results are bitwise those of the chain. It is not the default because it is still
+ * slower than the chain on an H200 (bench/NOTES.md). MOK_FORWARD_SMS=n runs it on n CTAs,
+ * MOK_FUSED_GATHER=kernel lets the chain's gather kernel fill xg first, MOK_FUSED_LAG=n sets its
+ * plan's lag; none of these changes a bit of the results. Buffers are the regions of
+ * src/workspace.h. Errors the kernels find (bad routing, capacity overflow)
  * make the call compute nothing and wait in the workspace's error word for mok_layer_check.
  * Other GPU layers (W > 1, fp8) allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED.
  */
@@ -146,10 +147,10 @@ static mokResult_t gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, c
   return MOK_SUCCESS;
 }
 
-/* The fused kernel unless MOK_FORWARD=chain (read at every call: a test and benchmark knob). */
+/* The fused kernel when MOK_FORWARD=fused (read at every call), else the chain. */
 static int gpu_fused(void) {
   const char *e = getenv("MOK_FORWARD");
-  return !(e && strcmp(e, "chain") == 0);
+  return e && strcmp(e, "fused") == 0;
 }
 
 /* The kernels of one forward (see the banner). */
@@ -203,6 +204,14 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
     f.us_out = save && Is > 0 ? ctx + lay->ctx[MOK_CTX_US] : NULL;
     const char *sms = getenv("MOK_FORWARD_SMS");
     f.num_sms = sms ? atoi(sms) : 0;
+    const char *gk = getenv("MOK_FUSED_GATHER");
+    if (gk && strcmp(gk, "kernel") == 0) { /* x rows gathered by the chain's kernel first */
+      r = mok_fwd_gather_launch(&p, stream);
+      if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);
+      f.l.xg = p.xg;
+    } else {
+      f.l.xg = NULL;
+    }
     r = mok_fwd_fused_launch(&f, stream);
     return r == MOK_SUCCESS ? MOK_SUCCESS : gpu_launcher_failed(l, r);
   }

@@ -12,8 +12,10 @@
  *   REDUCE      (b)        token block b: y = bf16(ys + yk(k=0) + ... + yk(K-1)), slot order
  *
  * The order: all SHARED_GATE_UP tiles (they need only x, so they fill the SMs while rows are
- * gathered or dispatched), then for s = 0..E: GATE_UP tiles of expert s followed by DOWN tiles of
- * expert s - 1 (one expert of lag, so a DOWN tile rarely waits), then SHARED_DOWN, then REDUCE.
+ * gathered or dispatched), then for s = 0 .. E + L - 1: GATE_UP tiles of expert s (s < E) followed
+ * by DOWN tiles of expert s - L (s >= L), then SHARED_DOWN, then REDUCE. The lag L >= 1 (field
+ * `lag`) keeps a DOWN tile a few hundred tasks behind the GATE_UP tiles it reads, so that with a
+ * grid of ~132 CTAs they have finished by the time it is taken instead of running beside it.
  * Within a (kind, expert) block tiles go row tile by row tile, column tiles inner.
  *
  * Dependencies, each a counter that producers add 1 to (release) and the consumer waits on
@@ -69,24 +71,27 @@ typedef struct {
   int32_t n_sd;           /* shared down column tiles: H / BN (0 without a shared expert) */
   int32_t t_tiles;        /* token tiles = reduce blocks: ceil(T / BM) */
   const int32_t *mt_pre;  /* [E + 1] prefix sums of row tiles per expert: ceil(rows_e / BM) */
+  int32_t lag;            /* expert stages from an expert's GATE_UP tiles to its DOWN tiles; 0 = 1 */
 } mok_task_plan_t;
+
+MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
 
 /* Tasks before the first expert stage. */
 MOK_HD int64_t mok_plan_sgu_count(const mok_task_plan_t *p) {
   return (int64_t)(p->n_sgu > 0 ? p->t_tiles : 0) * p->n_sgu;
 }
 
-/* First task of expert stage s in [0, E]: GATE_UP(s) then DOWN(s - 1). */
+/* First task of expert stage s in [0, E + L]: GATE_UP(s) (s < E), then DOWN(s - L) (s >= L).
+ * Stage E + L is the end of the expert stages. */
 MOK_HD int64_t mok_plan_stage_start(const mok_task_plan_t *p, int32_t s) {
-  return mok_plan_sgu_count(p) + (int64_t)p->mt_pre[s] * p->n_gu +
-         (int64_t)p->mt_pre[s > 0 ? s - 1 : 0] * p->n_down;
+  const int32_t g = s < p->E ? s : p->E, d = s - mok_plan_lag(p);
+  return mok_plan_sgu_count(p) + (int64_t)p->mt_pre[g] * p->n_gu +
+         (int64_t)p->mt_pre[d < 0 ? 0 : (d > p->E ? p->E : d)] * p->n_down;
 }
 
 MOK_HD int64_t mok_plan_num_tasks(const mok_task_plan_t *p) {
   const int64_t sd = (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd;
-  /* stage E holds only DOWN(E - 1): its start plus those tiles is the end of the expert stages */
-  const int64_t last_down = p->E > 0 ? (int64_t)(p->mt_pre[p->E] - p->mt_pre[p->E - 1]) * p->n_down : 0;
-  return mok_plan_stage_start(p, p->E) + last_down + sd + p->t_tiles;
+  return mok_plan_stage_start(p, p->E + mok_plan_lag(p)) + sd + p->t_tiles;
 }
 
 /* Task number i (0 <= i < mok_plan_num_tasks) of the global order. */
@@ -100,7 +105,7 @@ MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
   }
   const int64_t experts_end = mok_plan_num_tasks(p) - (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd - p->t_tiles;
   if (i < experts_end) {
-    int32_t lo = 0, hi = p->E; /* the last stage s with stage_start(s) <= i */
+    int32_t lo = 0, hi = p->E + mok_plan_lag(p) - 1; /* the last stage s with stage_start(s) <= i */
     while (lo < hi) {
       const int32_t mid = (lo + hi + 1) / 2;
       if (mok_plan_stage_start(p, mid) <= i) lo = mid;
@@ -114,7 +119,7 @@ MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
       t.m = (int32_t)(r / p->n_gu), t.n = (int32_t)(r % p->n_gu);
     } else {
       r -= gu;
-      t.kind = MOK_TASK_DOWN, t.expert = s - 1;
+      t.kind = MOK_TASK_DOWN, t.expert = s - mok_plan_lag(p);
       t.m = (int32_t)(r / p->n_down), t.n = (int32_t)(r % p->n_down);
     }
     return t;

@@ -75,7 +75,7 @@ static int problem_init(problem_t *pb, uint64_t seed, int64_t T, int32_t E, int6
   if (!ok) return 0;
   pb->T = T, pb->K = K;
   for (int32_t e = 0; e < E; e++) pb->mt_pre[e + 1] = pb->mt_pre[e] + (int32_t)((pb->lay.expert_rows[e] + BM - 1) / BM);
-  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre};
+  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1};
   pb->down_target = calloc((size_t)pb->plan.t_tiles + 1, sizeof(int64_t));
   for (int32_t e = 0; e < E; e++)
     for (int32_t m = 0; m < pb->mt_pre[e + 1] - pb->mt_pre[e]; m++) for_each_block(pb, e, m, add_target, pb);
@@ -204,9 +204,11 @@ static int simulate(const problem_t *pb, const int64_t *order, int G, int ticket
 /* ---- tests ------------------------------------------------------------------------------------ */
 
 MOK_TEST(task_plan_enumerates_every_task_once) {
-  for (int shared = 0; shared < 2; shared++) {
+  for (int variant = 0; variant < 8; variant++) {
+    const int shared = variant & 1;
     problem_t pb;
     MOK_REQUIRE(problem_init(&pb, 11 + shared, 37, 6, 2, shared, 3, 2));
+    pb.plan.lag = variant / 2;  /* 0 (= 1), 1, 2, 3: with E = 6 */
     const mok_task_plan_t *p = &pb.plan;
     const int64_t n = mok_plan_num_tasks(p);
     unsigned char *seen = calloc((size_t)key_space(p), 1);
@@ -227,6 +229,16 @@ MOK_TEST(task_plan_enumerates_every_task_once) {
     MOK_EXPECT(count[MOK_TASK_SHARED_GATE_UP] == (shared ? p->t_tiles * p->n_sgu : 0));
     MOK_EXPECT(count[MOK_TASK_SHARED_DOWN] == (shared ? p->t_tiles * p->n_sd : 0));
     MOK_EXPECT(count[MOK_TASK_REDUCE] == p->t_tiles);
+    /* the lag: the first DOWN task comes after the GATE_UP tiles of the first L non-empty stages */
+    int64_t first_down = -1, gu_before = 0;
+    for (int64_t i = 0; i < n && first_down < 0; i++) {
+      mok_task_t t = mok_plan_task(p, i);
+      if (t.kind == MOK_TASK_DOWN) first_down = i;
+      else if (t.kind == MOK_TASK_GATE_UP) gu_before++;
+    }
+    const int32_t L = mok_plan_lag(p), gu_stages = L < p->E ? L : p->E;
+    MOK_EXPECT_MSG(gu_before >= (int64_t)(p->mt_pre[gu_stages] - p->mt_pre[0]) * p->n_gu,
+                   "lag %d: %lld GATE_UP tasks before the first DOWN", L, (long long)gu_before);
     free(seen);
     problem_free(&pb);
   }
@@ -241,6 +253,7 @@ MOK_TEST(task_plan_never_deadlocks_under_adversarial_schedules) {
     problem_t pb;
     const int64_t T = 1 + (int64_t)(seed * 13 % 50), K = 1 + (int64_t)(seed % 3);
     MOK_REQUIRE(problem_init(&pb, seed, T, 5, K, (int)(seed & 1), 2, 3));
+    pb.plan.lag = 1 + (int32_t)(seed % 3); /* 1, 2, 3; 5 experts */
     const int64_t n = mok_plan_num_tasks(&pb.plan);
     int64_t *identity = malloc(sizeof(int64_t) * (size_t)n);
     for (int64_t i = 0; i < n; i++) identity[i] = i;

@@ -41,6 +41,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda/error_word.cuh"
@@ -65,13 +66,16 @@ static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)
 // Every producer thread arrives on a full barrier once per stage (GATE_UP: its cp.async arrival;
 // other tasks: a plain one), thread 0 once more with the stage's TMA byte count.
 #define FK_FULL_ARRIVALS (128 + 1)
-#define FK_BAR_CONSUMER 1  // named barriers 1, 2: the consumer warpgroups
+// Named barrier of warpgroup wg's own 128 threads (epilogue, REDUCE): 1 + wg, so 1 (producer),
+// 2 and 3 (consumers).
+#define FK_BAR_WG 1
 
 // Dynamic shared memory: the ring, its barriers, then offsets [E + 1] and tile_pre [E + 1].
 static size_t fk_smem_bytes(int64_t E) { return fk_plan::ALLOC_BYTES + 2 * (size_t)(E + 1) * 4; }
 
 typedef struct {
   CUtensorMap x;        // [T, H], box [128, 64]: SHARED_GATE_UP's A
+  CUtensorMap xg;       // [R, H]: GATE_UP's A when the rows were gathered before (l.xg set)
   CUtensorMap wg, wu;   // [E I, H], box [128, 64]
   CUtensorMap a;        // [R, I]: DOWN's A
   CUtensorMap wd;       // [E H, I]
@@ -84,6 +88,7 @@ typedef struct {
   mok_fwd_fused_params_t f;
   uint64_t timeout_ns;
   uint32_t sgu_base;    // counter index of SGU[0]
+  int32_t lag;          // the plan's lag (fk_lag)
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -115,7 +120,7 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
     const int tile = MOK_FC_GU + plan.mt_pre[e] + t.m;
     if (t.kind == MOK_TASK_GATE_UP) {
       d.n0 = 128 * t.n, d.n = (int)p.f.I, d.k_blocks = (int)(l.H / 64);
-      d.a = NULL;
+      d.a = l.xg ? &m.xg : NULL;
       d.b_lo = &m.wg, d.b_hi = &m.wu;
       d.b_row_lo = d.b_row_hi = e * (int)p.f.I + d.n0;  // gate and up rows of the same columns
       d.done = tile;
@@ -232,7 +237,7 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_tile_
   // NOTE: bar.sync counts whole warps, so each warp reconverges first (the stores branch per
   // lane); likewise after the one-lane release, before the next tile's wgmma (.aligned).
   __syncwarp();
-  ptx_named_barrier_sync(FK_BAR_CONSUMER + cw, 128);
+  ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
   if (lt == 0) {
     __threadfence();
     ptx_red_release_gpu_add(f.l.counters + d.done, 1u);
@@ -240,20 +245,21 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_tile_
   __syncwarp();
 }
 
-// REDUCE(b) for consumer warpgroup cw: tokens [128 b + 64 cw, + 64), one warp per token.
+// REDUCE(b) for warpgroup wg (all three take part: the producer has no loads left by then):
+// tokens 128 b + 4 wg + w, + 12, ... for its warp w, one warp per token.
 __device__ __forceinline__ void fk_reduce(const fk_params_t &p, const mok_task_plan_t &plan,
-                                          int b, int64_t task, int cw, int lt) {
+                                          int b, int64_t task, int wg, int lt) {
   const mok_fwd_local_params_t &l = p.f.l;
   if (lt == 0) {
     fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]), task);
     if (plan.n_sd > 0) fk_wait(p, MOK_FC_SD, 2u * (uint32_t)(plan.n_sd * plan.t_tiles), task);
   }
   __syncwarp();
-  ptx_named_barrier_sync(FK_BAR_CONSUMER + cw, 128);
+  ptx_named_barrier_sync(FK_BAR_WG + wg, 128);
   const int64_t H8 = l.H / 8;
   const int warp = lt / 32, lane = lt & 31;
-  const int64_t end = (int64_t)FK_BM * b + 64 * cw + 64 < l.T ? (int64_t)FK_BM * b + 64 * cw + 64 : l.T;
-  for (int64_t t = (int64_t)FK_BM * b + 64 * cw + warp; t < end; t += 4)
+  const int64_t end = (int64_t)FK_BM * (b + 1) < l.T ? (int64_t)FK_BM * (b + 1) : l.T;
+  for (int64_t t = (int64_t)FK_BM * b + 4 * wg + warp; t < end; t += 12)
     rl_reduce_token(l.slot_row + t * l.K, l.K, H8, (const uint4 *)l.yk,
                     l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8, lane);
 }
@@ -295,6 +301,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     q.n_sd = l.Is > 0 ? q.n_down : 0;
     q.t_tiles = (int32_t)((l.T + FK_BM - 1) / FK_BM);
     q.mt_pre = s_pre;
+    q.lag = p.lag;
     s_plan = q;
     s_num_tasks = mok_plan_num_tasks(&q);
   }
@@ -311,9 +318,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       ptx_prefetch_tensormap(&m.a);
       ptx_prefetch_tensormap(&m.wd);
     }
-    for (int64_t i = blockIdx.x; i < num_tasks; i += gridDim.x) {
+    int64_t i = blockIdx.x;
+    for (; i < num_tasks; i += gridDim.x) {
       const mok_task_t t = mok_plan_task(&plan, i);
-      if (t.kind == MOK_TASK_REDUCE) break;  // REDUCE tasks are last and need no loads
+      if (t.kind == MOK_TASK_REDUCE) break;  // REDUCE tasks are last: the loop below
       const fk_tile_t d = fk_describe(p, m, plan, s_off, t);
       if (d.wait >= 0 && lt == 0) {
         fk_wait(p, d.wait, d.wait_target, i);
@@ -322,29 +330,32 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       fk_produce(p, d, &ring, smem, full, empty, lt);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
+    // Every load of this CTA is issued: the producer warpgroup takes its share of REDUCE.
+    for (; i < num_tasks; i += gridDim.x) fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
   } else {
     const int cw = wg - 1;
-    float acc[128];
-    for (int64_t i = blockIdx.x; i < num_tasks; i += gridDim.x) {
-      const mok_task_t t = mok_plan_task(&plan, i);
-      if (t.kind == MOK_TASK_REDUCE) {
-        fk_reduce(p, plan, t.m, i, cw, lt);
-        continue;
+    int64_t i = blockIdx.x;
+    {
+      float acc[128];  // dead after this loop: REDUCE gets the registers
+      for (; i < num_tasks; i += gridDim.x) {
+        const mok_task_t t = mok_plan_task(&plan, i);
+        if (t.kind == MOK_TASK_REDUCE) break;
+        // Only what the mainloop needs is computed before it (the 128 accumulators leave few
+        // registers); the rest of the tile's description after.
+        float2 w = make_float2(1.0f, 1.0f);
+        if (t.kind == MOK_TASK_GATE_UP) {  // loaded before the mainloop: latency hides behind it
+          const int64_t row0 = s_off[t.expert] + (int64_t)FK_BM * t.m;
+          w = epi_row_scales(l.row_w, epi_coords(row0, s_off[t.expert + 1], 0, 0, 0, cw));
+        }
+        const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? l.H
+                          : t.kind == MOK_TASK_DOWN                                     ? p.f.I
+                                                                                        : l.Is;
+        tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0>(&ring, smem, full, empty,
+                                                            (int)(k / 64), cw, acc);
+        fk_epilogue(p, fk_describe(p, m, plan, s_off, t), acc, w, cw, lt);
       }
-      // Only what the mainloop needs is computed before it (the 128 accumulators leave few
-      // registers); the rest of the tile's description after.
-      float2 w = make_float2(1.0f, 1.0f);
-      if (t.kind == MOK_TASK_GATE_UP) {  // loaded before the mainloop: the latency hides behind it
-        const int64_t row0 = s_off[t.expert] + (int64_t)FK_BM * t.m;
-        w = epi_row_scales(l.row_w, epi_coords(row0, s_off[t.expert + 1], 0, 0, 0, cw));
-      }
-      const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? l.H
-                        : t.kind == MOK_TASK_DOWN                                     ? p.f.I
-                                                                                      : l.Is;
-      tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0>(&ring, smem, full, empty,
-                                                          (int)(k / 64), cw, acc);
-      fk_epilogue(p, fk_describe(p, m, plan, s_off, t), acc, w, cw, lt);
     }
+    for (; i < num_tasks; i += gridDim.x) fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
   }
 #endif
 }
@@ -354,6 +365,20 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 /* ---------------------------------------------------------------------------------------------- */
 
 static int fk_a16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
+
+// The plan's lag (src/task_plan.h) in expert stages: enough that the tasks between an expert's
+// GATE_UP tiles and its DOWN tiles exceed one wave of the grid, from the average rows per expert
+// (the host does not know the real counts). MOK_FUSED_LAG=n overrides it (a tuning knob; the
+// bits never depend on it).
+static int32_t fk_lag(const mok_fwd_fused_params_t *p, int grid) {
+  const char *env = getenv("MOK_FUSED_LAG");
+  if (env && atoi(env) > 0) return atoi(env);
+  const mok_fwd_local_params_t *l = &p->l;
+  const int64_t tiles = (l->T * l->K / l->E + FK_BM - 1) / FK_BM + 1;  // row tiles per expert
+  const int64_t per_stage = tiles * (p->I / 128 + (l->H + FK_BN - 1) / FK_BN);
+  int64_t lag = (grid + per_stage - 1) / per_stage + 1;
+  return (int32_t)(lag < 1 ? 1 : (lag > l->E ? l->E : lag));
+}
 
 extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, void *stream) {
   if (!p) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "fused forward launch: NULL params");
@@ -393,6 +418,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   fk_maps_t m;
   const int bad =
       tma_encode_bf16_sw128(&m.x, l->x, (uint64_t)T, (uint64_t)H, 128) ||
+      (l->xg && tma_encode_bf16_sw128(&m.xg, l->xg, (uint64_t)R, (uint64_t)H, 128)) ||
       tma_encode_bf16_sw128(&m.wg, p->wg, (uint64_t)(E * I), (uint64_t)H, 128) ||
       tma_encode_bf16_sw128(&m.wu, p->wu, (uint64_t)(E * I), (uint64_t)H, 128) ||
       tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)R, (uint64_t)I, 128) ||
@@ -405,6 +431,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
     return mok_fail(NULL, MOK_ERROR_CUDA, "fused forward launch: encoding a TMA tensor map failed "
                     "(no CUDA driver with cuTensorMapEncodeTiled?)");
   if (!shared) m.as = m.wsg = m.wsu = m.wsd = m.x;  // never read
+  if (!l->xg) m.xg = m.x;
 
   int device = 0, sms = 0, per_sm = 0;
   const size_t smem = fk_smem_bytes(E);
@@ -422,6 +449,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   }
   const int resident = sms * per_sm;
   const int grid = p->num_sms > 0 && p->num_sms < resident ? p->num_sms : resident;
+  kp.lag = fk_lag(p, grid);
 
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));

@@ -366,8 +366,10 @@ mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream)
  * results are bitwise those of the kernel chain above (same tiles, same epilogues, same reduce).
  */
 typedef struct {
-  mok_fwd_local_params_t l;   /* as for the chain; xg is not used, row_tok / tile_pre / counters
-                                 must be set (and were written by this call's layout kernel) */
+  mok_fwd_local_params_t l;   /* as for the chain; row_tok / tile_pre / counters must be set
+                                 (written by this call's layout kernel). xg NULL: GATE_UP gathers
+                                 x rows itself; else GATE_UP reads xg, filled by the gather kernel
+                                 before this launch */
   int64_t I;                  /* intermediate size of a routed expert */
   const void *wg, *wu, *wd;   /* [E, I, H], [E, I, H], [E, H, I] bf16 */
   const void *wsg, *wsu, *wsd;/* [Is, H], [Is, H], [H, Is] bf16 (Is > 0) */

@@ -40,9 +40,20 @@ __device__ __forceinline__ void rl_reduce_token(const int32_t *rows, int64_t K, 
 #pragma unroll
       for (int j = 0; j < 8; j++) acc[j] = 0.0f;
     }
-    for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
-      const int32_t r = rows[k];
-      if (r >= 0) rl_add_bf16x8(acc, __ldcg(yk + (int64_t)r * H8 + c));
+    // Slots in groups of 8: the 8 loads are issued together (latency, not bandwidth, bounds a
+    // warp here), then added in slot order; empty slots are skipped, not added as zeros (-0 + 0
+    // would turn a -0 sum into +0).
+    for (int64_t k0 = 0; k0 < K; k0 += 8) {
+      int32_t r[8];
+      uint4 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        r[j] = k0 + j < K ? rows[k0 + j] : -1;
+        v[j] = r[j] >= 0 ? __ldcg(yk + (int64_t)r[j] * H8 + c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; j++)  // slot order: the order of the fp32 additions
+        if (r[j] >= 0) rl_add_bf16x8(acc, v[j]);
     }
     uint4 out;
     __nv_bfloat162 *o = (__nv_bfloat162 *)&out;

@@ -152,8 +152,9 @@ MOK_TEST(fwd_gpu_is_bitwise_deterministic) {
   fwd_gpu_close(&g);
 }
 
-MOK_TEST(fwd_gpu_cuda_graph_replays_with_new_routing) {
-  NEED_GPU();
+// Captured through `path` (MOK_FORWARD: the environment is read when mok_forward is called).
+static void graph_case(const char *path) {
+  setenv("MOK_FORWARD", path, 1);
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
   fwd_gpu_t g;
@@ -166,8 +167,9 @@ MOK_TEST(fwd_gpu_cuda_graph_replays_with_new_routing) {
   MOK_REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
   const mokResult_t r = fwd_gpu_forward(&g, p.T, s);
   const cudaError_t ce = cudaStreamEndCapture(s, &graph);
-  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "mok_forward under capture: %s", mok_last_error());
-  MOK_REQUIRE_MSG(ce == cudaSuccess, "cudaStreamEndCapture: %s", cudaGetErrorString(ce));
+  unsetenv("MOK_FORWARD");
+  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "%s: mok_forward under capture: %s", path, mok_last_error());
+  MOK_REQUIRE_MSG(ce == cudaSuccess, "%s: cudaStreamEndCapture: %s", path, cudaGetErrorString(ce));
   MOK_REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
   const route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
   for (int i = 0; i < 2; i++) {
@@ -182,12 +184,18 @@ MOK_TEST(fwd_gpu_cuda_graph_replays_with_new_routing) {
     MOK_REQUIRE(cpu_forward(&p, p.T, p.x.data(), p.idx.data(), p.tw.data(), p.Is, p.T_max, &ref,
                             NULL) == MOK_SUCCESS);
     MOK_EXPECT_MSG(fwd_compare_y("graph replay", y.data(), ref.data(), p.T, p.H),
-                   "graph replay %d: y differs from the CPU layer", i);
+                   "%s: graph replay %d: y differs from the CPU layer", path, i);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
   fwd_gpu_close(&g);
+}
+
+MOK_TEST(fwd_gpu_cuda_graph_replays_with_new_routing) {
+  NEED_GPU();
+  graph_case("chain");
+  graph_case("fused");
 }
 
 // Saved bf16 g, u (layout order, through the context layout) against the CPU's ((token, slot)
@@ -429,7 +437,8 @@ static void run_path(fwd_gpu_t *g, const fwd_problem_t *p, const char *path, con
   *c = fwd_gpu_ctx(g);
 }
 
-// The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM.
+// The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM,
+// and with the rows gathered beforehand (MOK_FUSED_GATHER=kernel) and lag 1 on 5.
 static void fused_case(fwd_problem_t *p, const char *what) {
   fwd_gpu_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, p));
@@ -449,6 +458,12 @@ static void fused_case(fwd_problem_t *p, const char *what) {
     MOK_EXPECT_MSG(c == c0, "%s: fused on %s CTAs: the saved context differs from the chain's",
                    what, sms[i] ? sms[i] : "all");
   }
+  setenv("MOK_FUSED_GATHER", "kernel", 1);  // GATE_UP reads rows gathered by the chain's kernel
+  setenv("MOK_FUSED_LAG", "1", 1);           // and the plan's smallest lag
+  run_path(&g, p, "fused", "5", &y, &c, what);
+  unsetenv("MOK_FUSED_GATHER");
+  unsetenv("MOK_FUSED_LAG");
+  MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with pre-gathered rows differs from the chain", what);
   fwd_gpu_close(&g);
 }
 
