@@ -3,8 +3,9 @@
  *
  * It runs after the layout kernel (layout_local.cu) and walks the global task order of
  * src/task_plan.h: SHARED_GATE_UP tiles, then per expert stage s the GATE_UP tiles of expert s
- * and the DOWN tiles of expert s - 1, then SHARED_DOWN tiles, then REDUCE blocks. CTA b takes
- * tasks b, b + grid, b + 2 grid, ... and each of its three warpgroups walks that same sequence:
+ * and the DOWN tiles of expert s - L, then SHARED_DOWN tiles, then REDUCE blocks. Each CTA takes
+ * the tasks a ticket counter deals out in that order, one at a time; its producer warpgroup takes
+ * the ticket and the consumers read it from a tag in the task's first ring stage:
  *
  *   producer warpgroup  fills the ring of tile_pipeline.cuh. B always comes by TMA (thread 0).
  *                       A comes by TMA too, except for GATE_UP, whose rows are tokens of x in
@@ -13,7 +14,9 @@
  *                       would have written, so the gather costs no pass over memory of its own.
  *   consumer warpgroups wgmma into registers (rows 0-63 and 64-127 of the tile), then the
  *                       epilogue of the task (SwiGLU + router weight, bf16, fp32), then release
- *                       the task's counter; REDUCE blocks are theirs alone.
+ *                       the task's counter.
+ * A REDUCE block is shared by all three warpgroups of the CTA that took it (its stage in the ring
+ * carries only the tag); a last tag-only stage tells the consumers that the tasks are gone.
  *
  * Every tile is computed exactly as the unfused chain computes it (grouped_gemm.cu: same tile
  * shape, same K order, same epilogue code), and the reduce is rows_local.cuh's, so the results
@@ -30,9 +33,10 @@
  * proxy), and ordinary reads of it go to L2 (.cg).
  *
  * NOTE (deadlock freedom, src/task_plan.h): every task waits only on tasks earlier in the order;
- * each CTA finishes its tasks in increasing order (the producer never waits on a task of its own
- * CTA that is not already loaded: it runs ahead only by issuing loads), and the launch is
- * cooperative, so every CTA is resident. Then the earliest unfinished task can always finish.
+ * tickets are handed out in that order, each CTA finishes its tasks in the order it took them (the
+ * producer never waits on a task of its own CTA that is not already loaded: it runs ahead only by
+ * issuing loads), and the launch is cooperative, so every CTA is resident. Then the earliest
+ * unfinished task is held by a running CTA and its dependencies are finished, so it finishes.
  * Waits are still bounded (timeout_s): a wait that times out reports MOK_ERROR_TIMEOUT through
  * the error word, raises MOK_FC_ABORT so that every other wait gives up at once, and the kernel
  * runs to its end with wrong results instead of hanging.
@@ -69,6 +73,7 @@ static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)
 // Named barrier of warpgroup wg's own 128 threads (epilogue, REDUCE): 1 + wg, so 1 (producer),
 // 2 and 3 (consumers).
 #define FK_BAR_WG 1
+#define FK_TAG_END (-1)  // tag of the stage that tells the consumers there is no task left
 
 // Dynamic shared memory: the ring, its barriers, then offsets [E + 1] and tile_pre [E + 1].
 static size_t fk_smem_bytes(int64_t E) { return fk_plan::ALLOC_BYTES + 2 * (size_t)(E + 1) * 4; }
@@ -173,14 +178,20 @@ __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t targe
   }
 }
 
-// The producer warpgroup's share of one tile: k_blocks stages. lt: thread within the warpgroup.
+// The producer warpgroup's share of one tile: k_blocks stages, the first tagged with the task
+// number (s_tag, read by the consumers). lt: thread within the warpgroup.
 __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
-                                           uint8_t *smem, uint64_t *full, uint64_t *empty, int lt) {
+                                           uint8_t *smem, uint64_t *full, uint64_t *empty,
+                                           volatile int64_t *s_tag, int64_t tag, int lt) {
+  // NOTE: thread 0 writes the tag after the stage is free (a consumer may not have read the tag
+  // of its previous use before) and before its first arrival on the stage's full barrier (a
+  // release), so a consumer that saw the phase complete (acquire) reads it.
   if (d.a) {
     for (int kb = 0; kb < d.k_blocks; kb++) {
       ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
       uint64_t *bar = &full[ring->stage];
       if (lt == 0) {
+        if (kb == 0) s_tag[ring->stage] = tag;
         uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
         uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
         ptx_mbar_arrive_expect_tx(bar, fk_plan::STAGE_BYTES);
@@ -205,6 +216,7 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
     uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
     uint64_t *bar = &full[ring->stage];
     if (lt == 0) {
+      if (kb == 0) s_tag[ring->stage] = tag;
       uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
       ptx_mbar_arrive_expect_tx(bar, fk_plan::B_BYTES);
       ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
@@ -217,6 +229,34 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
     ptx_cp_async_mbar_arrive_noinc(bar);
     tp_ring_advance<FK_STAGES>(ring);
   }
+}
+
+// A stage without data that only carries a tag to the consumers: a REDUCE task's number, or
+// FK_TAG_END. All 128 producer threads arrive (thread 0 twice), as on a data stage.
+__device__ __forceinline__ void fk_post(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
+                                        volatile int64_t *s_tag, int64_t tag, int lt) {
+  ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+  if (lt == 0) {
+    s_tag[ring->stage] = tag;
+    ptx_mbar_arrive(&full[ring->stage]);
+  }
+  ptx_mbar_arrive(&full[ring->stage]);
+  tp_ring_advance<FK_STAGES>(ring);
+}
+
+// Consumer side: waits for the stage at the ring's position and returns its tag (the stage is not
+// consumed: a data stage's tile is then read by tp_consume_tile_bf16_n256 from this position).
+__device__ __forceinline__ int64_t fk_peek(const tp_ring_t *ring, uint64_t *full,
+                                           volatile int64_t *s_tag) {
+  ptx_mbar_wait(&full[ring->stage], ring->phase);
+  return s_tag[ring->stage];
+}
+
+// Consumer side: releases a tag-only stage (lane 0 of each consumer warp, as for data stages).
+__device__ __forceinline__ void fk_skip(tp_ring_t *ring, uint64_t *empty) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive(&empty[ring->stage]);
+  tp_ring_advance<FK_STAGES>(ring);
 }
 
 // The epilogue of one tile for consumer warpgroup cw, then its release of the tile's counter.
@@ -311,6 +351,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 
   const int wg = threadIdx.x / 128, lt = threadIdx.x & 127;
   tp_ring_t ring = {0, 0};
+  __shared__ int64_t s_tag[FK_STAGES];  // the task number of the tile starting in each stage
+  __shared__ int64_t s_ticket[2];        // the producer warpgroup's current ticket, double-buffered
   if (wg == 0) {
     if (lt == 0) {
       ptx_prefetch_tensormap(&m.wg);
@@ -318,26 +360,41 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       ptx_prefetch_tensormap(&m.a);
       ptx_prefetch_tensormap(&m.wd);
     }
-    int64_t i = blockIdx.x;
-    for (; i < num_tasks; i += gridDim.x) {
+    // Tasks are dealt by a ticket counter in the plan's order: thread 0 takes the next one, the
+    // warpgroup meets to read it (every thread needs it for GATE_UP's rows and the ring), and the
+    // consumers learn it from the tag of its first stage. The tasks in flight are thus always a
+    // window of about one task per CTA, which keeps the tiles that share weights together in L2.
+    for (int64_t k = 0;; k++) {
+      if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(l.counters + MOK_FC_TICKET, 1u);
+      __syncwarp();
+      ptx_named_barrier_sync(FK_BAR_WG + 0, 128);
+      const int64_t i = s_ticket[k & 1];
+      if (i >= num_tasks) {
+        fk_post(&ring, full, empty, s_tag, FK_TAG_END, lt);
+        break;
+      }
       const mok_task_t t = mok_plan_task(&plan, i);
-      if (t.kind == MOK_TASK_REDUCE) break;  // REDUCE tasks are last: the loop below
+      if (t.kind == MOK_TASK_REDUCE) {  // last in the order: every load of this CTA is issued
+        fk_post(&ring, full, empty, s_tag, i, lt);
+        fk_reduce(p, plan, t.m, i, wg, lt);
+        continue;
+      }
       const fk_tile_t d = fk_describe(p, m, plan, s_off, t);
       if (d.wait >= 0 && lt == 0) {
         fk_wait(p, d.wait, d.wait_target, i);
         ptx_fence_proxy_async_global();  // a was stored by other SMs' generic stores
       }
-      fk_produce(p, d, &ring, smem, full, empty, lt);
+      fk_produce(p, d, &ring, smem, full, empty, s_tag, i, lt);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
-    // Every load of this CTA is issued: the producer warpgroup takes its share of REDUCE.
-    for (; i < num_tasks; i += gridDim.x) fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
   } else {
     const int cw = wg - 1;
-    int64_t i = blockIdx.x;
+    int64_t i;
     {
-      float acc[128];  // dead after this loop: REDUCE gets the registers
-      for (; i < num_tasks; i += gridDim.x) {
+      float acc[128];  // dead after this loop (REDUCE tasks come last): REDUCE gets the registers
+      for (;;) {
+        i = fk_peek(&ring, full, s_tag);
+        if (i < 0) break;
         const mok_task_t t = mok_plan_task(&plan, i);
         if (t.kind == MOK_TASK_REDUCE) break;
         // Only what the mainloop needs is computed before it (the 128 accumulators leave few
@@ -355,7 +412,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_epilogue(p, fk_describe(p, m, plan, s_off, t), acc, w, cw, lt);
       }
     }
-    for (; i < num_tasks; i += gridDim.x) fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
+    while (i >= 0) {  // REDUCE tasks until the end tag
+      fk_skip(&ring, empty);
+      fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
+      i = fk_peek(&ring, full, s_tag);
+    }
+    fk_skip(&ring, empty);
   }
 #endif
 }
