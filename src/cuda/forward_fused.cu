@@ -9,7 +9,7 @@
  *
  *   producer warpgroup  fills the ring of tile_pipeline.cuh. B always comes by TMA (thread 0).
  *                       A comes by TMA too, except for GATE_UP, whose rows are tokens of x in
- *                       expert order: there each of the 128 threads copies one row of the tile
+ *                       expert order: there the 128 threads copy the tile's rows
  *                       (x[row_tok[row]]) with cp.async into the 128-byte swizzled layout TMA
  *                       would have written, so the gather costs no pass over memory of its own.
  *   consumer warpgroups wgmma into registers (rows 0-63 and 64-127 of the tile), then the
@@ -204,13 +204,21 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
     }
     return;
   }
-  // GATE_UP: thread lt copies row row0 + lt of the tile, 128 bytes (8 units of 16) per stage,
-  // unit c of tile row r to unit c ^ (r % 8) (the 128-byte swizzle; rows are 128 bytes and the
-  // stage is 1024-byte aligned). Rows past the expert's end are zeros: nothing of them is stored.
-  const int64_t row = d.row0 + lt;
-  const bool valid = row < d.row_end;
-  const char *src = (const char *)p.f.l.x + (valid ? (int64_t)p.f.l.row_tok[row] * p.f.l.H * 2 : 0);
-  const int swz = lt & 7;
+  // GATE_UP: per stage each tile row is 128 bytes (8 units of 16) of a token's row of x; unit c
+  // of tile row r goes to unit c ^ (r % 8) (the 128-byte swizzle; rows are 128 bytes and the
+  // stage is 1024-byte aligned). Lane l of warp w copies unit l % 8 of rows 32 w + 4 j + l / 8,
+  // j = 0..7, so that each warp instruction reads 4 whole 128-byte lines. Rows past the expert's
+  // end are zeros: nothing of them is stored.
+  const int w = lt >> 5, c = lt & 7, r0 = 32 * w + ((lt & 31) >> 3);
+  const char *src[8];
+  uint32_t bytes[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const int64_t row = d.row0 + r0 + 4 * j;
+    const bool valid = row < d.row_end;
+    src[j] = (const char *)p.f.l.x + (valid ? (int64_t)p.f.l.row_tok[row] * p.f.l.H * 2 : 0) + 16 * c;
+    bytes[j] = valid ? 16u : 0u;
+  }
   for (int kb = 0; kb < d.k_blocks; kb++) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
@@ -222,10 +230,12 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
       ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
       ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
     }
-    uint8_t *dst = a_tile + lt * MOK_TP_ROW_BYTES;
-    const char *s = src + kb * MOK_TP_ROW_BYTES;
 #pragma unroll
-    for (int c = 0; c < 8; c++) ptx_cp_async_16(dst + ((c ^ swz) << 4), s + 16 * c, valid ? 16u : 0u);
+    for (int j = 0; j < 8; j++) {
+      const int r = r0 + 4 * j;
+      ptx_cp_async_16(a_tile + r * MOK_TP_ROW_BYTES + ((c ^ (r & 7)) << 4),
+                      src[j] + kb * MOK_TP_ROW_BYTES, bytes[j]);
+    }
     ptx_cp_async_mbar_arrive_noinc(bar);
     tp_ring_advance<FK_STAGES>(ring);
   }
