@@ -17,7 +17,8 @@
  * counters; its results are bitwise those of the chain. It is not the default because it is still
  * slower than the chain on an H200 (bench/NOTES.md). MOK_FORWARD_SMS=n runs it on n CTAs,
  * MOK_FUSED_GATHER=kernel lets the chain's gather kernel fill xg first, MOK_FUSED_LAG=n sets its
- * plan's lag; none of these changes a bit of the results. Buffers are the regions of
+ * plan's lag, MOK_FUSED_STAGED=0 stores DOWN tiles from registers; none of these changes a bit of
+ * the results. Buffers are the regions of
  * src/workspace.h. Errors the kernels find (bad routing, capacity overflow)
  * make the call compute nothing and wait in the workspace's error word for mok_layer_check.
  * Other GPU layers (W > 1, fp8) allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED.

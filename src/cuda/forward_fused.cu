@@ -64,7 +64,16 @@
 #endif
 
 enum { FK_BM = MOK_FC_TILE_M, FK_BN = 256, FK_STAGES = 4 };
+// DOWN tiles are stored through shared memory and TMA (STAGED = 1: a [64, 128] bf16 staging
+// buffer per consumer warpgroup, two rounds per tile) when the E + 1 row-tile prefix sums still
+// fit next to it; else from registers (STAGED = 0). The ring is the same either way.
+enum { FK_C_BYTES = 2 * 64 * 128 * 2 };
 typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 0> fk_plan;
+template <int STAGED>
+struct fk_smem {
+  typedef tp_plan<FK_BM, FK_BN, FK_STAGES, STAGED ? FK_C_BYTES : 0> P;
+  static size_t bytes(int64_t E) { return P::ALLOC_BYTES + (size_t)(E + 1) * 4; }  // + s_pre
+};
 static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)");
 
 // Every producer thread arrives on a full barrier once per stage (GATE_UP: its cp.async arrival;
@@ -75,8 +84,6 @@ static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)
 #define FK_BAR_WG 1
 #define FK_TAG_END (-1)  // tag of the stage that tells the consumers there is no task left
 
-// Dynamic shared memory: the ring, its barriers, then offsets [E + 1] and tile_pre [E + 1].
-static size_t fk_smem_bytes(int64_t E) { return fk_plan::ALLOC_BYTES + 2 * (size_t)(E + 1) * 4; }
 
 typedef struct {
   CUtensorMap x;        // [T, H], box [128, 64]: SHARED_GATE_UP's A
@@ -87,6 +94,7 @@ typedef struct {
   CUtensorMap as;       // [T, Is]: SHARED_DOWN's A
   CUtensorMap wsg, wsu; // [Is, H]
   CUtensorMap wsd;      // [H, Is]
+  CUtensorMap yk;       // [R, H], box [64, 64]: DOWN's staged stores
 } fk_maps_t;
 
 typedef struct {
@@ -270,18 +278,31 @@ __device__ __forceinline__ void fk_skip(tp_ring_t *ring, uint64_t *empty) {
 }
 
 // The epilogue of one tile for consumer warpgroup cw, then its release of the tile's counter.
-__device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_tile_t &d,
-                                            const float (&acc)[128], float2 w, int cw, int lt) {
+// DOWN tiles release nothing here: only REDUCE reads yk, so a warpgroup adds all its DOWN tiles to
+// the DOWN counter at once when its tiles are done (fk_release_down); their staged TMA stores can
+// drain meanwhile.
+template <int STAGED>
+__device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_t &m,
+                                            const fk_tile_t &d, const float (&acc)[128], float2 w,
+                                            uint8_t *stage_c, int cw, int lt) {
   const mok_fwd_fused_params_t &f = p.f;
   const epi_coords_t e = epi_coords(d.row0, d.row_end, d.n0, d.n, d.n, cw);
+  if (d.kind == MOK_TASK_DOWN) {
+    const int64_t row0 = d.row0 + 64 * cw;
+    if (STAGED && row0 + 64 <= d.row_end) {  // all 64 rows in the expert: 2 rounds of 128 columns
+      epi_store_staged_bf16<0, 1>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, FK_BAR_WG + 1 + cw, lt);
+      epi_store_staged_bf16<1, 1>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, FK_BAR_WG + 1 + cw, lt);
+    } else {
+      epi_store_bf16<128>(acc, (__nv_bfloat16 *)f.l.yk, e);
+    }
+    return;
+  }
   if (d.kind == MOK_TASK_GATE_UP)
     epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.a, (__nv_bfloat16 *)f.g_out,
                           (__nv_bfloat16 *)f.u_out, w, e);
   else if (d.kind == MOK_TASK_SHARED_GATE_UP)
     epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.as, (__nv_bfloat16 *)f.gs_out,
                           (__nv_bfloat16 *)f.us_out, w, e);
-  else if (d.kind == MOK_TASK_DOWN)
-    epi_store_bf16<128>(acc, (__nv_bfloat16 *)f.l.yk, e);
   else
     epi_store_f32<128, false>(acc, (float *)f.l.ys, e);
   // NOTE: bar.sync counts whole warps, so each warp reconverges first (the stores branch per
@@ -291,6 +312,25 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_tile_
   if (lt == 0) {
     __threadfence();
     ptx_red_release_gpu_add(f.l.counters + d.done, 1u);
+  }
+  __syncwarp();
+}
+
+// A consumer warpgroup's DOWN tiles, all stored: one release of `tiles` on the DOWN counter.
+// NOTE: the staged stores went through the async proxy (TMA): the issuing thread waits for them
+// to complete and fences them against the generic release.
+template <int STAGED>
+__device__ __forceinline__ void fk_release_down(const fk_params_t &p, uint32_t tiles, int cw,
+                                                int lt) {
+  __syncwarp();
+  ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
+  if (lt == 0) {
+    if (STAGED) {
+      ptx_bulk_wait_group_all();
+      ptx_fence_proxy_async_global();
+    }
+    __threadfence();
+    if (tiles) ptx_red_release_gpu_add(p.f.l.counters + MOK_FC_DOWN, tiles);
   }
   __syncwarp();
 }
@@ -314,6 +354,7 @@ __device__ __forceinline__ void fk_reduce(const fk_params_t &p, const mok_task_p
                     l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8, lane);
 }
 
+template <int STAGED>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     fk_forward_kernel(const __grid_constant__ fk_params_t p, const __grid_constant__ fk_maps_t m) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -321,10 +362,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   if (*(volatile int32_t *)l.status == 0) return;  // invalid routing: the call computes nothing
   extern __shared__ uint8_t smem_raw[];
   uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-  uint64_t *full = (uint64_t *)(smem + fk_plan::FULL_OFFSET);
-  uint64_t *empty = (uint64_t *)(smem + fk_plan::EMPTY_OFFSET);
-  int32_t *s_off = (int32_t *)(smem + fk_plan::BYTES);  // [E + 1]
-  int32_t *s_pre = s_off + l.E + 1;                     // [E + 1]
+  uint64_t *full = (uint64_t *)(smem + fk_smem<STAGED>::P::FULL_OFFSET);
+  uint64_t *empty = (uint64_t *)(smem + fk_smem<STAGED>::P::EMPTY_OFFSET);
+  typedef typename fk_smem<STAGED>::P P;
+  // offsets: read through the read-only cache (written by the layout kernel, before this launch)
+  const int32_t *s_off = l.offsets;
+  int32_t *s_pre = (int32_t *)(smem + P::BYTES);  // [E + 1]
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < FK_STAGES; s++) {
@@ -334,7 +377,6 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     ptx_fence_mbarrier_init();
   }
   for (int64_t e = threadIdx.x; e <= l.E; e += blockDim.x) {
-    s_off[e] = l.offsets[e];
     s_pre[e] = l.tile_pre[e];
   }
   // The plan lives in shared memory: registers are short in the consumers (128 accumulators).
@@ -399,6 +441,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
     const int cw = wg - 1;
+    uint8_t *stage_c = smem + P::C_OFFSET + cw * (FK_C_BYTES / 2);  // STAGED only
+    uint32_t down_tiles = 0;
     int64_t i;
     {
       float acc[128];  // dead after this loop (REDUCE tasks come last): REDUCE gets the registers
@@ -419,9 +463,11 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                                                                                         : l.Is;
         tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0>(&ring, smem, full, empty,
                                                             (int)(k / 64), cw, acc);
-        fk_epilogue(p, fk_describe(p, m, plan, s_off, t), acc, w, cw, lt);
+        fk_epilogue<STAGED>(p, m, fk_describe(p, m, plan, s_off, t), acc, w, stage_c, cw, lt);
+        down_tiles += t.kind == MOK_TASK_DOWN;
       }
     }
+    fk_release_down<STAGED>(p, down_tiles, cw, lt);  // before any REDUCE waits for it
     while (i >= 0) {  // REDUCE tasks until the end tag
       fk_skip(&ring, empty);
       fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
@@ -495,6 +541,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
       tma_encode_bf16_sw128(&m.wu, p->wu, (uint64_t)(E * I), (uint64_t)H, 128) ||
       tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)R, (uint64_t)I, 128) ||
       tma_encode_bf16_sw128(&m.wd, p->wd, (uint64_t)(E * H), (uint64_t)I, 128) ||
+      tma_encode_bf16_sw128(&m.yk, l->yk, (uint64_t)R, (uint64_t)H, 64) ||
       (shared && (tma_encode_bf16_sw128(&m.as, p->as, (uint64_t)T, (uint64_t)Is, 128) ||
                   tma_encode_bf16_sw128(&m.wsg, p->wsg, (uint64_t)Is, (uint64_t)H, 128) ||
                   tma_encode_bf16_sw128(&m.wsu, p->wsu, (uint64_t)Is, (uint64_t)H, 128) ||
@@ -505,14 +552,23 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   if (!shared) m.as = m.wsg = m.wsu = m.wsd = m.x;  // never read
   if (!l->xg) m.xg = m.x;
 
-  int device = 0, sms = 0, per_sm = 0;
-  const size_t smem = fk_smem_bytes(E);
+  int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(fk_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  // Staged DOWN stores when their buffers fit (E up to about 480), unless MOK_FUSED_STAGED=0.
+  cudaFuncAttributes fa;
+  memset(&fa, 0, sizeof(fa));
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fk_forward_kernel<1>);
+  const char *st = getenv("MOK_FUSED_STAGED");
+  const int staged = !(st && st[0] == '0') && fk_smem<1>::bytes(E) + fa.sharedSizeBytes <= (size_t)optin;
+  void (*kernel)(fk_params_t, fk_maps_t) = staged ? fk_forward_kernel<1> : fk_forward_kernel<0>;
+  const size_t smem = staged ? fk_smem<1>::bytes(E) : fk_smem<0>::bytes(E);
   if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fk_forward_kernel, MOK_TP_THREADS, smem);
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MOK_TP_THREADS, smem);
   if (e == cudaSuccess && per_sm < 1) e = cudaErrorInvalidConfiguration;
   if (e != cudaSuccess) {
     cudaGetLastError();
@@ -534,7 +590,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   cfg.stream = (cudaStream_t)stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  e = cudaLaunchKernelEx(&cfg, fk_forward_kernel, kp, m);
+  e = cudaLaunchKernelEx(&cfg, kernel, kp, m);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {
     cudaGetLastError();

@@ -438,7 +438,8 @@ static void run_path(fwd_gpu_t *g, const fwd_problem_t *p, const char *path, con
 }
 
 // The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM,
-// and with the rows gathered beforehand (MOK_FUSED_GATHER=kernel) and lag 1 on 5.
+// and with the rows gathered beforehand (MOK_FUSED_GATHER=kernel), lag 1 and DOWN stored from
+// registers on 5.
 static void fused_case(fwd_problem_t *p, const char *what) {
   fwd_gpu_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, p));
@@ -459,10 +460,12 @@ static void fused_case(fwd_problem_t *p, const char *what) {
                    what, sms[i] ? sms[i] : "all");
   }
   setenv("MOK_FUSED_GATHER", "kernel", 1);  // GATE_UP reads rows gathered by the chain's kernel
-  setenv("MOK_FUSED_LAG", "1", 1);           // and the plan's smallest lag
+  setenv("MOK_FUSED_LAG", "1", 1);           // the plan's smallest lag
+  setenv("MOK_FUSED_STAGED", "0", 1);        // DOWN stored from registers
   run_path(&g, p, "fused", "5", &y, &c, what);
   unsetenv("MOK_FUSED_GATHER");
   unsetenv("MOK_FUSED_LAG");
+  unsetenv("MOK_FUSED_STAGED");
   MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with pre-gathered rows differs from the chain", what);
   fwd_gpu_close(&g);
 }
