@@ -1,27 +1,23 @@
 /*
- * gpu_backend.c: the public calls on a GPU layer, host side. W = 1 and BF16 run the unfused GPU
- * forward: a short chain of kernels on the caller's stream (launch.h), with no host
- * synchronization and no device data read on the host, so a forward can be captured in a CUDA
- * graph:
+ * gpu_backend.c: the public calls on a GPU layer, host side. W = 1 and BF16 run on the GPU, on the
+ * caller's stream, with no host synchronization and no device data read on the host, so a forward
+ * can be captured in a CUDA graph. The forward is two kernels (launch.h):
  *
- *   layout (1 CTA)       topk_idx [T, K] -> status, offsets [E + 1], slot_row [T, K], ctx header
- *   gather               x [T, H] -> xg [R, H] (expert order), topk_w -> row_w [R]
- *   gate/up GEMM         a [R, I] = bf16(row_w · silu(xg · Wgᵀ) · (xg · Wuᵀ)), SAVE: g, u -> ctx
- *   down GEMM            yk [R, H] = bf16(a · Wdᵀ)
- *   shared gate/up       as [T, Is] = bf16(silu(x · Wsgᵀ) · (x · Wsuᵀ)), SAVE: gs, us -> ctx
- *   shared down          ys [T, H] fp32 = as · Wsdᵀ
- *   reduce               y [T, H] = bf16(ys + yk(slot 0) + ... + yk(slot K-1))
+ *   layout (1 CTA)       topk_idx [T, K] -> status, offsets [E + 1], slot_row [T, K], ctx header,
+ *                        row_tok / row_w [R], row-tile prefix sums, the fused kernel's counters
+ *   fused (persistent)   src/cuda/forward_fused.cu: gathers x rows into its gate/up tiles,
+ *                        a = bf16(row_w · silu(g) · u) (SAVE: g, u -> ctx), yk = bf16(a · Wdᵀ),
+ *                        the shared expert, and y = bf16(ys + yk(slot 0) + ... + yk(slot K-1))
  *
- * The same forward also runs fused (MOK_FORWARD=fused): the layout kernel, then ONE persistent
- * kernel (src/cuda/forward_fused.cu) that gathers, runs all GEMM tiles and reduces, coordinated by
- * counters; its results are bitwise those of the chain. It is not the default because it is still
- * slower than the chain on an H200 (bench/NOTES.md). MOK_FORWARD_SMS=n runs it on n CTAs,
+ * MOK_FORWARD=chain runs the same forward as the unfused chain it was built from (and is tested
+ * against, bit for bit): layout, gather (x -> xg), the gate/up, down, shared gate/up and shared
+ * down grouped GEMMs, reduce. MOK_FORWARD_SMS=n runs the fused kernel on n CTAs,
  * MOK_FUSED_GATHER=kernel lets the chain's gather kernel fill xg first, MOK_FUSED_LAG=n sets its
  * plan's lag, MOK_FUSED_STAGED=0 stores DOWN tiles from registers; none of these changes a bit of
- * the results. Buffers are the regions of
- * src/workspace.h. Errors the kernels find (bad routing, capacity overflow)
- * make the call compute nothing and wait in the workspace's error word for mok_layer_check.
- * Other GPU layers (W > 1, fp8) allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED.
+ * the results. Buffers are the regions of src/workspace.h. Errors the kernels find (bad routing,
+ * capacity overflow) make the call compute nothing and wait in the workspace's error word for
+ * mok_layer_check. Other GPU layers (W > 1, fp8) allocate nothing and report
+ * MOK_ERROR_NOT_IMPLEMENTED.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -148,10 +144,10 @@ static mokResult_t gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, c
   return MOK_SUCCESS;
 }
 
-/* The fused kernel when MOK_FORWARD=fused (read at every call), else the chain. */
+/* The fused kernel unless MOK_FORWARD=chain (read at every call). */
 static int gpu_fused(void) {
   const char *e = getenv("MOK_FORWARD");
-  return e && strcmp(e, "fused") == 0;
+  return !(e && strcmp(e, "chain") == 0);
 }
 
 /* The kernels of one forward (see the banner). */
