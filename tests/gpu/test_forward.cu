@@ -501,3 +501,40 @@ MOK_TEST(fwd_gpu_fused_equals_chain_bitwise) {
     fused_case(&p, cases[i].what);
   }
 }
+
+// The fused launcher's checks come before any CUDA call, so this runs without a GPU too: each bad
+// argument gets its own error code, T = 0 launches nothing.
+MOK_TEST(fwd_fused_launcher_rejects_bad_arguments) {
+  static char buf[4096] __attribute__((aligned(256)));
+  void *ok = buf;
+  mok_fwd_fused_params_t base;
+  memset(&base, 0, sizeof(base));
+  base.l.T = 100, base.l.H = 256, base.l.E = 8, base.l.K = 2, base.l.Is = 0;
+  base.l.capacity_rows = 200;
+  base.l.n_counters = mok_fc_count(200, 8, 100);
+  base.l.x = base.l.y = ok, base.l.yk = ok, base.l.err = ok;
+  base.l.status = base.l.offsets = base.l.slot_row = base.l.row_tok = base.l.tile_pre = (int32_t *)ok;
+  base.l.row_w = (float *)ok;
+  base.l.counters = (uint32_t *)ok;
+  base.I = 128;
+  base.wg = base.wu = base.wd = ok;
+  base.a = ok;
+
+  mok_fwd_fused_params_t p;
+  MOK_EXPECT(mok_fwd_fused_launch(NULL, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.l.row_tok = NULL;  MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.l.counters = NULL; MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.wd = NULL;         MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.l.Is = 128;        /* a shared expert needs its weights and buffers */
+  MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.l.H = 200;         MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.I = 0;             MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.l.E = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.l.E = MOK_FWD_MAX_EXPERTS + 1;
+  MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.l.K = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.l.n_counters -= 1; MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.l.x = buf + 8;     MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  p = base; p.a = buf + 4;       MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  p = base; p.l.T = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_SUCCESS);
+}
