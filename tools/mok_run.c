@@ -309,12 +309,15 @@ static int cmp_float(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Median of 10 forwards after 3 warm-ups, in ms (CUDA events on the legacy stream). 1 on failure. */
-static int median_forward_ms(const gpu_job_t *j, cudaEvent_t ev[2], double *med) {
+/* Median of 10 forwards (g NULL) or backwards (g: the gradients) after 3 warm-ups, in ms (CUDA
+ * events on the legacy stream). 1 on failure. */
+static int median_ms(const gpu_job_t *j, const mok_backward_args_t *g, cudaEvent_t ev[2],
+                     double *med) {
   float ms[10];
   for (int it = 0; it < 13; it++) {
     GPU_CHECK(cudaEventRecord(ev[0], NULL));
-    MOK_OK(mok_forward(j->l, &j->a, j->y, j->ctx, NULL));
+    if (g) MOK_OK(mok_backward(j->l, &j->a, g, j->ctx, NULL));
+    else MOK_OK(mok_forward(j->l, &j->a, j->y, j->ctx, NULL));
     GPU_CHECK(cudaEventRecord(ev[1], NULL));
     GPU_CHECK(cudaEventSynchronize(ev[1]));
     if (it >= 3) GPU_CHECK(cudaEventElapsedTime(&ms[it - 3], ev[0], ev[1]));
@@ -376,9 +379,8 @@ static int run_gpu(mok_comm_t comm) {
     cudaEvent_t ev[2];
     GPU_CHECK(cudaEventCreate(&ev[0]));
     GPU_CHECK(cudaEventCreate(&ev[1]));
-    float ms[10];
     double med, cmed;
-    if (median_forward_ms(&j, ev, &med)) return 1;
+    if (median_ms(&j, NULL, ev, &med)) return 1;
     const double flops = 6.0 * (double)(s.T * s.K) * s.H * s.I + 6.0 * s.T * s.H * s.Is;
     uint16_t *y = malloc((size_t)(s.T * s.H) * 2), *yc = malloc((size_t)(s.T * s.H) * 2);
     GPU_CHECK(cudaMemcpy(y, j.y, (size_t)(s.T * s.H) * 2, cudaMemcpyDeviceToHost));
@@ -390,7 +392,7 @@ static int run_gpu(mok_comm_t comm) {
            fin ? "finite" : "NON-FINITE");
     /* The same forward through the unfused kernel chain: the same bits, its own time. */
     setenv("MOK_FORWARD", "chain", 1);
-    const int crc = median_forward_ms(&j, ev, &cmed);
+    const int crc = median_ms(&j, NULL, ev, &cmed);
     unsetenv("MOK_FORWARD");
     if (crc) return 1;
     GPU_CHECK(cudaMemcpy(yc, j.y, (size_t)(s.T * s.H) * 2, cudaMemcpyDeviceToHost));
@@ -408,16 +410,8 @@ static int run_gpu(mok_comm_t comm) {
     GPU_CHECK(cudaMalloc(&dtw, (size_t)(s.T * s.K) * 4));
     for (int i = 0; i < 3; i++) GPU_CHECK(cudaMalloc(&dw[i], wn * 4));
     mok_backward_args_t g = {j.y, dx, dtw, dw[0], dw[1], dw[2], NULL, NULL, NULL};
-    for (int it = 0; it < 13; it++) {
-      GPU_CHECK(cudaEventRecord(ev[0], NULL));
-      MOK_OK(mok_backward(j.l, &j.a, &g, j.ctx, NULL));
-      GPU_CHECK(cudaEventRecord(ev[1], NULL));
-      GPU_CHECK(cudaEventSynchronize(ev[1]));
-      if (it >= 3) GPU_CHECK(cudaEventElapsedTime(&ms[it - 3], ev[0], ev[1]));
-    }
-    MOK_OK(mok_layer_check(j.l));
-    qsort(ms, 10, sizeof(float), cmp_float);
-    const double bmed = 0.5 * (ms[4] + ms[5]);
+    double bmed;
+    if (median_ms(&j, &g, ev, &bmed)) return 1;
     GPU_CHECK(cudaMemcpy(y, dx, (size_t)(s.T * s.H) * 2, cudaMemcpyDeviceToHost));
     const int bfin = all_finite(y, s.T * s.H);
     failures += !bfin;

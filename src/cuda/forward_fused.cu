@@ -277,9 +277,30 @@ __device__ __forceinline__ void fk_skip(tp_ring_t *ring, uint64_t *empty) {
   tp_ring_advance<FK_STAGES>(ring);
 }
 
+// Consumer warpgroup cw adds `count` to counter `c` once all 128 threads' stores are done.
+// BULK = 1: some stores went through the async proxy (TMA bulk stores, issued by thread lt 0),
+// which that thread waits for and fences against the generic release.
+// NOTE: bar.sync counts whole warps, so each warp reconverges first (the stores branch per lane);
+// likewise after the one-lane release, before the next tile's wgmma (.aligned).
+template <int BULK>
+__device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t count, int cw,
+                                           int lt) {
+  __syncwarp();
+  ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
+  if (lt == 0) {
+    if (BULK) {
+      ptx_bulk_wait_group_all();
+      ptx_fence_proxy_async_global();
+    }
+    __threadfence();
+    if (count) ptx_red_release_gpu_add(p.f.l.counters + c, count);
+  }
+  __syncwarp();
+}
+
 // The epilogue of one tile for consumer warpgroup cw, then its release of the tile's counter.
 // DOWN tiles release nothing here: only REDUCE reads yk, so a warpgroup adds all its DOWN tiles to
-// the DOWN counter at once when its tiles are done (fk_release_down); their staged TMA stores can
+// the DOWN counter at once when its tiles are done (fk_release); their staged TMA stores can
 // drain meanwhile.
 template <int STAGED>
 __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_t &m,
@@ -305,34 +326,7 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_
                           (__nv_bfloat16 *)f.us_out, w, e);
   else
     epi_store_f32<128, false>(acc, (float *)f.l.ys, e);
-  // NOTE: bar.sync counts whole warps, so each warp reconverges first (the stores branch per
-  // lane); likewise after the one-lane release, before the next tile's wgmma (.aligned).
-  __syncwarp();
-  ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
-  if (lt == 0) {
-    __threadfence();
-    ptx_red_release_gpu_add(f.l.counters + d.done, 1u);
-  }
-  __syncwarp();
-}
-
-// A consumer warpgroup's DOWN tiles, all stored: one release of `tiles` on the DOWN counter.
-// NOTE: the staged stores went through the async proxy (TMA): the issuing thread waits for them
-// to complete and fences them against the generic release.
-template <int STAGED>
-__device__ __forceinline__ void fk_release_down(const fk_params_t &p, uint32_t tiles, int cw,
-                                                int lt) {
-  __syncwarp();
-  ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
-  if (lt == 0) {
-    if (STAGED) {
-      ptx_bulk_wait_group_all();
-      ptx_fence_proxy_async_global();
-    }
-    __threadfence();
-    if (tiles) ptx_red_release_gpu_add(p.f.l.counters + MOK_FC_DOWN, tiles);
-  }
-  __syncwarp();
+  fk_release<0>(p, d.done, 1u, cw, lt);
 }
 
 // REDUCE(b) for warpgroup wg (all three take part: the producer has no loads left by then):
@@ -467,7 +461,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         down_tiles += t.kind == MOK_TASK_DOWN;
       }
     }
-    fk_release_down<STAGED>(p, down_tiles, cw, lt);  // before any REDUCE waits for it
+    fk_release<STAGED>(p, MOK_FC_DOWN, down_tiles, cw, lt);  // before any REDUCE waits for it
     while (i >= 0) {  // REDUCE tasks until the end tag
       fk_skip(&ring, empty);
       fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);

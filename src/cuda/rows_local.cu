@@ -28,11 +28,12 @@
 
 static_assert(RL_THREADS % 32 == 0, "whole warps");
 
-// The rows of token t's slots into this warp's smem array rows [K]. Returns 0 past the last token.
-__device__ __forceinline__ int rl_token_rows(const mok_fwd_local_params_t &p, int64_t t,
-                                             int32_t *rows) {
-  if (t >= p.T) return 0;
-  for (int64_t k = threadIdx.x & 31; k < p.K; k += 32) rows[k] = p.slot_row[t * p.K + k];
+// The rows of token t's slots (slot_row [T, K]: the workspace's or the context's) into this warp's
+// smem array rows [K]. Returns 0 past the last token.
+__device__ __forceinline__ int rl_token_rows(const int32_t *slot_row, int64_t T, int64_t K,
+                                             int64_t t, int32_t *rows) {
+  if (t >= T) return 0;
+  for (int64_t k = threadIdx.x & 31; k < K; k += 32) rows[k] = slot_row[t * K + k];
   __syncwarp();
   return 1;
 }
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(RL_THREADS)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
   int32_t *rows = s_rows[warp];
-  if (!rl_token_rows(p, t, rows)) return;
+  if (!rl_token_rows(p.slot_row, p.T, p.K, t, rows)) return;
   const int64_t K = p.K, H8 = p.H / 8;  // 16-byte chunks per row
   for (int64_t k = lane; k < K; k += 32)
     if (rows[k] >= 0) p.row_w[rows[k]] = p.topk_w[t * K + k];
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(RL_THREADS)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
   int32_t *rows = s_rows[warp];
-  if (!rl_token_rows(p, t, rows)) return;
+  if (!rl_token_rows(p.slot_row, p.T, p.K, t, rows)) return;
   const int64_t H8 = p.H / 8;
   rl_reduce_token(rows, p.K, H8, (const uint4 *)p.yk,
                   p.ys ? (const float4 *)p.ys + t * (H8 * 2) : NULL, (uint4 *)p.y + t * H8, lane);
@@ -125,15 +126,6 @@ extern "C" mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, vo
  * src/cpu/ref_backward.c in its order. The gathers of x and dy are the forward's gather kernel.
  */
 
-// The rows of token t's slots (from the context) into this warp's smem array rows [K].
-__device__ __forceinline__ int rl_bwd_token_rows(const mok_bwd_local_params_t &p, int64_t t,
-                                                 int32_t *rows) {
-  if (t >= p.T) return 0;
-  for (int64_t k = threadIdx.x & 31; k < p.K; k += 32) rows[k] = p.ctx_slot_row[t * p.K + k];
-  __syncwarp();
-  return 1;
-}
-
 __global__ void __launch_bounds__(RL_THREADS)
     rl_dx_reduce_kernel(const __grid_constant__ mok_bwd_local_params_t p) {
   __shared__ int32_t s_rows[RL_WARPS][MOK_FWD_MAX_TOP_K];
@@ -141,7 +133,7 @@ __global__ void __launch_bounds__(RL_THREADS)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
   int32_t *rows = s_rows[warp];
-  if (!rl_bwd_token_rows(p, t, rows)) return;
+  if (!rl_token_rows(p.ctx_slot_row, p.T, p.K, t, rows)) return;
   const int64_t K = p.K, H4 = p.H / 4;  // 4-column chunks per row
   for (int64_t k = lane; k < K; k += 32) p.dtopk_w[t * K + k] = rows[k] >= 0 ? p.dw_row[rows[k]] : 0.0f;
   const float4 *dxk = (const float4 *)p.dxk;                     // [R, H / 4]
