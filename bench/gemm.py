@@ -26,6 +26,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -102,15 +103,21 @@ def counts_unaligned(routing, rows, experts, gen):
 
 def time_ms(fns, warmup, reps, rounds=3):
     """Median ms of each function. The functions are timed in alternating rounds of reps/rounds
-    launches, so that a clock or thermal drift during the case affects all of them alike."""
+    launches, so that a clock or thermal drift during the case affects all of them alike, in an
+    order shuffled every round: the H200 runs at its 700 W power limit under these kernels, so its
+    clock depends on what ran just before, and a fixed order would favour whichever function
+    follows a cooler one."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
     per = max(1, reps // rounds)
+    order = list(range(len(fns)))
+    rng = random.Random(0)
     for _ in range(rounds):
-        for fn, t in zip(fns, times):
+        rng.shuffle(order)
+        for fn, t in ((fns[i], times[i]) for i in order):
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
             for i in range(per):

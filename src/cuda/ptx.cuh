@@ -175,6 +175,12 @@ __device__ __forceinline__ void ptx_named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Counts this thread's warp towards barrier `id` of `threads` threads without waiting: the other
+// side of a bar.sync, for one group of warps signalling another.
+__device__ __forceinline__ void ptx_named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* cp.async (16-byte copies into shared memory) and counters in global memory                       */
 /* ---------------------------------------------------------------------------------------------- */

@@ -156,9 +156,32 @@ __device__ __forceinline__ void tp_release(uint64_t *empty_bar) {
   }
 }
 
+// Ordered issue (ORDERED = 1): within a tile the two consumer warpgroups take turns issuing the
+// wgmmas of a stage, warpgroup 0 first. Both wait for the same stage, so without an order they
+// issue together, the tensor cores interleave them, and both wait for their results at the same
+// moment: whatever a warpgroup does between two stages (fp8's promotion, the last stage's
+// epilogue) then leaves the tensor cores idle. In turns, warpgroup 1's wgmmas queue behind
+// warpgroup 0's, so each finishes half a stage apart and one's CUDA-core work runs under the
+// other's MMA (CUTLASS calls this ping-pong). Named barriers MOK_TP_BAR_TURN + w: "warpgroup w
+// may issue"; a bar.sync of the waiting warpgroup pairs with a bar.arrive of the other (256
+// threads). Per tile of n stages: warpgroup 1 waits before stages 0..n-1 for warpgroup 0's
+// arrivals after its stages 0..n-1; warpgroup 0 waits before stages 1..n-1 for warpgroup 1's
+// arrivals after its stages 0..n-2. The counts match within every tile, so no barrier is left
+// half-arrived between tiles or at the kernel's end.
+#define MOK_TP_BAR_TURN 4  // named barriers 4 and 5 (1-3: the kernels' own)
+
+__device__ __forceinline__ void tp_turn_wait(int wg, int kb) {
+  if (wg == 1 || kb > 0) ptx_named_barrier_sync(MOK_TP_BAR_TURN + wg, 256);
+}
+__device__ __forceinline__ void tp_turn_pass(int wg, int kb, int k_blocks) {
+  if (wg == 0 || kb + 1 < k_blocks) ptx_named_barrier_arrive(MOK_TP_BAR_TURN + 1 - wg, 256);
+}
+
 // Consumer warpgroup `wg` (0 or 1): acc[64 rows, 256 cols] = A[64wg + (0..63)] · B[0..255]ᵀ over
 // k_blocks stages, bf16 operands. acc is in wgmma's fragment layout (see gemm_epilogue.cuh).
-template <int BM, int STAGES, int C_BYTES, int CLUSTER, int B_NMAJOR>
+// ORDERED: issue in turns with the other consumer warpgroup (above); the two must consume the
+// same tiles.
+template <int BM, int STAGES, int C_BYTES, int CLUSTER, int B_NMAJOR, int ORDERED = 0>
 __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8_t *smem,
                                                           uint64_t *full, uint64_t *empty,
                                                           int k_blocks, int wg, float (&acc)[128]) {
@@ -174,6 +197,7 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
     const uint64_t da = ptx_desc_kmajor_sw128(a_tile);
     const uint64_t db = B_NMAJOR ? ptx_desc_mnmajor_sw128(b_tile, 64 * MOK_TP_ROW_BYTES)
                                  : ptx_desc_kmajor_sw128(b_tile);
+    if (ORDERED) tp_turn_wait(wg, kb);
     ptx_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
@@ -183,6 +207,7 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
                                           (kb | kk) != 0);
     }
     ptx_wgmma_commit_group();
+    if (ORDERED) tp_turn_pass(wg, kb, k_blocks);
     // The group issued one block earlier has now completed: its stage can be refilled.
     ptx_wgmma_wait_group<1>();
     if (prev_stage >= 0 && lane == 0) tp_release<CLUSTER>(&empty[prev_stage]);
@@ -205,7 +230,10 @@ typedef struct {
 // e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into `part`), promoted into the
 // fp32 `total` on CUDA cores after every stage: the tensor cores' fp8 accumulator keeps too few
 // bits to run over all of K. The stage is released as soon as its wgmmas are complete; the other
-// consumer warpgroup keeps the tensor cores busy during the promotion.
+// consumer warpgroup keeps the tensor cores busy during the promotion. The scales of block kb + 1
+// are loaded during block kb (an L2 or DRAM load's latency is longer than one block's wgmmas).
+// NOTE: issuing in turns with the other warpgroup (ORDERED of the bf16 loop) measured slower here
+// on 11 of 12 benchmark cases (bench/NOTES.md, v10), so the two issue together.
 template <int BM, int STAGES, int C_BYTES>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
                                                          uint64_t *full, uint64_t *empty,
@@ -216,9 +244,13 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   float part[64];
 #pragma unroll
   for (int i = 0; i < 64; i++) total[i] = 0.0f;
+  float sb = sc.b[0], sa0 = sc.a0[0], sa1 = sc.a1[0];
   for (int kb = 0; kb < k_blocks; kb++) {
-    const float sb = sc.b[kb];  // loads issued before the barrier wait hide behind it
-    const float s0 = sc.a0[kb] * sb, s1 = sc.a1[kb] * sb;
+    const float s0 = sa0 * sb, s1 = sa1 * sb;
+    const int next = kb + 1 < k_blocks ? kb + 1 : kb;
+    sb = sc.b[next];
+    sa0 = sc.a0[next];
+    sa1 = sc.a1[next];
     ptx_mbar_wait(&full[ring->stage], ring->phase);
     uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES + wg * 64 * MOK_TP_ROW_BYTES;
     uint8_t *b_tile = smem + ring->stage * P::STAGE_BYTES + P::A_BYTES;
