@@ -20,6 +20,10 @@ CUDA events after warm-up (median). FLOPs: 6 T K H I + 6 T H Is. Appends one JSO
 to --jsonl (default bench/results/forward.jsonl).
 
     python3 bench/forward.py [--commit SHA] [--cases substring] [--reps 20]
+                             [--variant NAME:VAR=VALUE ...]
+
+--variant times the fused forward again under other environment knobs (variant_NAME_ms), after
+checking that its y is the chain's bits too.
 """
 import argparse
 import json
@@ -124,8 +128,22 @@ def run_case(model, args, gen):
         row["wrong"] = True
         print(f"{model}: WRONG, relative error {err:.3g} against the PyTorch pipeline")
         return [row]
-    mok_ms, chain_ms, xg_ms, base_ms = time_ms([mok_fwd, chain_fwd, xg_fwd, base], args.warmup,
-                                               args.reps)
+    # --variant NAME:VAR=VALUE[,VAR=VALUE]: the fused kernel under other knobs, same bits required
+    variants = {}
+    for spec in args.variant:
+        name, _, envs = spec.partition(":")
+        fn = with_env(dict(kv.split("=", 1) for kv in envs.split(",") if kv))
+        y.fill_(float("nan"))
+        fn()
+        layer.check()
+        if not torch.equal(y.view(torch.int16), y_chain.view(torch.int16)):
+            print(f"{model}: variant {name} ({envs}) gives other bits than the chain")
+            row["variant_differs"] = name
+        variants[f"variant_{name}_ms"] = fn
+    times = time_ms([mok_fwd, chain_fwd, xg_fwd, base] + list(variants.values()), args.warmup,
+                    args.reps, args.rounds)
+    mok_ms, chain_ms, xg_ms, base_ms = times[:4]
+    row.update(zip(variants, times[4:]))
     layer.check()
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
@@ -170,13 +188,13 @@ def run_case(model, args, gen):
                 rel_err_vs_baseline=max(errs.values()),
                 rel_errs=errs, baseline=row["baseline"] + ", torch.autograd backward")
     for k in ("mok_ms", "baseline_ms", "ratio", "tflops", "baseline_tflops", "chain_ms",
-              "chain_ratio", "fused_equals_chain", "fused_pregathered_ms"):
+              "chain_ratio", "fused_equals_chain", "fused_pregathered_ms", *variants):
         brow.pop(k, None)
     if not max(errs.values()) < 2e-2:
         brow["wrong"] = True
         print(f"{model} fwd+bwd: WRONG, relative errors {errs}")
     else:
-        mok_ms, base_ms = time_ms([mok_step, base_step], args.warmup, args.reps)
+        mok_ms, base_ms = time_ms([mok_step, base_step], args.warmup, args.reps, args.rounds)
         layer.check()
         brow.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                     tflops=3 * flops / mok_ms * 1e-9, baseline_tflops=3 * flops / base_ms * 1e-9)
@@ -192,6 +210,10 @@ def main():
     ap.add_argument("--cases", default="", help="run only models whose name contains this")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternate the timed functions this many times (reps / rounds each)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                    help="also time the fused forward with these environment knobs (same bits)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []
@@ -209,7 +231,9 @@ def main():
                 print(f"{r['case']:28s} {r['mok_ms']:8.3f} {r['tflops']:6.0f} {r['baseline_ms']:9.3f} "
                       f"{r['baseline_tflops']:6.0f} {r['ratio']:6.2f} {r['rel_err_vs_baseline']:8.2g} "
                       f"{r.get('chain_ms', float('nan')):9.3f} "
-                      f"{r.get('fused_pregathered_ms', float('nan')):10.3f}")
+                      f"{r.get('fused_pregathered_ms', float('nan')):10.3f}" +
+                      "".join(f" | {k[8:-3]} {v:.3f}" for k, v in r.items()
+                              if k.startswith("variant_") and k.endswith("_ms")))
         torch.cuda.empty_cache()
     return 1 if any(r.get("wrong") for r in rows) else 0
 

@@ -95,6 +95,7 @@ typedef struct {
   CUtensorMap wsg, wsu; // [Is, H]
   CUtensorMap wsd;      // [H, Is]
   CUtensorMap yk;       // [R, H], box [64, 64]: DOWN's staged stores
+  CUtensorMap g, u;     // [R, I], box [64, 64]: GATE_UP's staged stores of g and u (gu_staged)
 } fk_maps_t;
 
 typedef struct {
@@ -102,6 +103,7 @@ typedef struct {
   uint64_t timeout_ns;
   uint32_t sgu_base;    // counter index of SGU[0]
   int32_t lag;          // the plan's lag (fk_lag)
+  int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -318,10 +320,21 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_
     }
     return;
   }
-  if (d.kind == MOK_TASK_GATE_UP)
-    epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.a, (__nv_bfloat16 *)f.g_out,
-                          (__nv_bfloat16 *)f.u_out, w, e);
-  else if (d.kind == MOK_TASK_SHARED_GATE_UP)
+  if (d.kind == MOK_TASK_GATE_UP) {
+    const int64_t row0 = d.row0 + 64 * cw;
+    if (STAGED && p.gu_staged && f.g_out && row0 + 64 <= d.row_end) {
+      // g and u are only saved for the backward: they go through the staging buffer and drain
+      // while the next tile computes. a is stored from registers, since the release below (which
+      // DOWN waits for) would otherwise wait for the bulk stores.
+      const int bar = FK_BAR_WG + 1 + cw;
+      epi_store_staged_chunks<0, 1>(acc, stage_c, &m.g, d.n0, d.n, (int)row0, bar, lt);
+      epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.a, NULL, NULL, w, e);
+      epi_store_staged_chunks<16, 1>(acc, stage_c, &m.u, d.n0, d.n, (int)row0, bar, lt);
+    } else {
+      epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.a, (__nv_bfloat16 *)f.g_out,
+                            (__nv_bfloat16 *)f.u_out, w, e);
+    }
+  } else if (d.kind == MOK_TASK_SHARED_GATE_UP)
     epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.as, (__nv_bfloat16 *)f.gs_out,
                           (__nv_bfloat16 *)f.us_out, w, e);
   else
@@ -348,7 +361,7 @@ __device__ __forceinline__ void fk_reduce(const fk_params_t &p, const mok_task_p
                     l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8, lane);
 }
 
-template <int STAGED>
+template <int STAGED, int ORDERED>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     fk_forward_kernel(const __grid_constant__ fk_params_t p, const __grid_constant__ fk_maps_t m) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -455,8 +468,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? l.H
                           : t.kind == MOK_TASK_DOWN                                     ? p.f.I
                                                                                         : l.Is;
-        tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0>(&ring, smem, full, empty,
-                                                            (int)(k / 64), cw, acc);
+        tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0, ORDERED>(&ring, smem, full, empty,
+                                                                     (int)(k / 64), cw, acc);
         fk_epilogue<STAGED>(p, m, fk_describe(p, m, plan, s_off, t), acc, w, stage_c, cw, lt);
         down_tiles += t.kind == MOK_TASK_DOWN;
       }
@@ -536,6 +549,9 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
       tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)R, (uint64_t)I, 128) ||
       tma_encode_bf16_sw128(&m.wd, p->wd, (uint64_t)(E * H), (uint64_t)I, 128) ||
       tma_encode_bf16_sw128(&m.yk, l->yk, (uint64_t)R, (uint64_t)H, 64) ||
+      (p->g_out && p->u_out &&
+       (tma_encode_bf16_sw128(&m.g, p->g_out, (uint64_t)R, (uint64_t)I, 64) ||
+        tma_encode_bf16_sw128(&m.u, p->u_out, (uint64_t)R, (uint64_t)I, 64))) ||
       (shared && (tma_encode_bf16_sw128(&m.as, p->as, (uint64_t)T, (uint64_t)Is, 128) ||
                   tma_encode_bf16_sw128(&m.wsg, p->wsg, (uint64_t)Is, (uint64_t)H, 128) ||
                   tma_encode_bf16_sw128(&m.wsu, p->wsu, (uint64_t)Is, (uint64_t)H, 128) ||
@@ -545,6 +561,10 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
                     "(no CUDA driver with cuTensorMapEncodeTiled?)");
   if (!shared) m.as = m.wsg = m.wsu = m.wsd = m.x;  // never read
   if (!l->xg) m.xg = m.x;
+  if (!(p->g_out && p->u_out)) m.g = m.u = m.yk;  // never written
+  // g and u through the staging buffer (STAGED kernels) unless MOK_FUSED_GU_STAGED=0.
+  const char *gs = getenv("MOK_FUSED_GU_STAGED");
+  kp.gu_staged = p->g_out && p->u_out && !(gs && gs[0] == '0');
 
   int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -554,10 +574,15 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   // Staged DOWN stores when their buffers fit (E up to about 480), unless MOK_FUSED_STAGED=0.
   cudaFuncAttributes fa;
   memset(&fa, 0, sizeof(fa));
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fk_forward_kernel<1>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fk_forward_kernel<1, 0>);
   const char *st = getenv("MOK_FUSED_STAGED");
   const int staged = !(st && st[0] == '0') && fk_smem<1>::bytes(E) + fa.sharedSizeBytes <= (size_t)optin;
-  void (*kernel)(fk_params_t, fk_maps_t) = staged ? fk_forward_kernel<1> : fk_forward_kernel<0>;
+  // The consumer warpgroups issue each stage in turns (tile_pipeline.cuh) when MOK_FUSED_ORDER=1.
+  const char *oe = getenv("MOK_FUSED_ORDER");
+  const int ordered = oe && oe[0] == '1';
+  void (*kernel)(fk_params_t, fk_maps_t) =
+      staged ? (ordered ? fk_forward_kernel<1, 1> : fk_forward_kernel<1, 0>)
+             : (ordered ? fk_forward_kernel<0, 1> : fk_forward_kernel<0, 0>);
   const size_t smem = staged ? fk_smem<1>::bytes(E) : fk_smem<0>::bytes(E);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

@@ -198,34 +198,40 @@ __device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const
   }
 }
 
-// Staged bf16 store of output columns [128 H, 128 H + 128) of a consumer warpgroup's [64, 256]
-// tile: registers -> swizzled staging [2 chunks][64 rows][128 B] (16 KB) -> two TMA bulk stores
-// of [64, 64] at (col0 + 128 H + 64 ch, row0) of the map; chunks at or past column n are skipped
-// (TMA clips the rest at the map's bounds).
+// Staged bf16 store of 128 columns of a consumer warpgroup's [64, 256] accumulator, column
+// chunks [J0, J0 + 16) of the fragment: registers -> swizzled staging [2 chunks][64 rows][128 B]
+// (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of the map; chunks at or past
+// column n are skipped (TMA clips the rest at the map's bounds).
 // bar_id: a named barrier of this warpgroup's 128 threads; lt: the thread within it (0 issues).
-// NOTE: WAIT = 1 when the staging buffer may still be read by the previous tile's bulk stores
-// (the issuing thread waits for them, then the warpgroup meets); ordinary shared-memory stores
-// need the proxy fence before the copy engine reads them. (grouped_gemm.cu's gg_store_staged is
-// the same with a SwiGLU variant.)
-template <int H, int WAIT>
-__device__ __forceinline__ void epi_store_staged_bf16(const float (&acc)[128], uint8_t *stage_c,
-                                                      const CUtensorMap *tm_c, int col0, int n,
-                                                      int row0, int bar_id, int lt) {
+// NOTE: WAIT = 1 when the staging buffer may still be read by earlier bulk stores (the issuing
+// thread waits for them, then the warpgroup meets); ordinary shared-memory stores need the proxy
+// fence before the copy engine reads them. (grouped_gemm.cu's gg_store_staged is the same with a
+// SwiGLU variant.)
+template <int J0, int WAIT>
+__device__ __forceinline__ void epi_store_staged_chunks(const float (&acc)[128], uint8_t *stage_c,
+                                                        const CUtensorMap *tm_c, int col, int n,
+                                                        int row0, int bar_id, int lt) {
   if (WAIT) {
     if (lt == 0) ptx_bulk_wait_group_read<0>();
     ptx_named_barrier_sync(bar_id, 128);
   }
-  epi_stage_bf16<128, 16 * H, 16>(acc, stage_c);
+  epi_stage_bf16<128, J0, 16>(acc, stage_c);
   ptx_fence_proxy_async_smem();
   ptx_named_barrier_sync(bar_id, 128);
   if (lt == 0) {
 #pragma unroll
-    for (int ch = 0; ch < 2; ch++) {
-      const int col = col0 + 128 * H + 64 * ch;
-      if (col < n) ptx_tma_store_2d(tm_c, stage_c + ch * 8192, col, row0);
-    }
+    for (int ch = 0; ch < 2; ch++)
+      if (col + 64 * ch < n) ptx_tma_store_2d(tm_c, stage_c + ch * 8192, col + 64 * ch, row0);
     ptx_bulk_commit_group();
   }
+}
+
+// Output columns [col0 + 128 H, col0 + 128 H + 128) of a plain [64, 256] tile (half H).
+template <int H, int WAIT>
+__device__ __forceinline__ void epi_store_staged_bf16(const float (&acc)[128], uint8_t *stage_c,
+                                                      const CUtensorMap *tm_c, int col0, int n,
+                                                      int row0, int bar_id, int lt) {
+  epi_store_staged_chunks<16 * H, WAIT>(acc, stage_c, tm_c, col0 + 128 * H, n, row0, bar_id, lt);
 }
 
 #endif /* MOK_CUDA_GEMM_EPILOGUE_CUH */

@@ -438,8 +438,8 @@ static void run_path(fwd_gpu_t *g, const fwd_problem_t *p, const char *path, con
 }
 
 // The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM,
-// and with the rows gathered beforehand (MOK_FUSED_GATHER=kernel), lag 1 and DOWN stored from
-// registers on 5.
+// with the issue-order and g/u-staging knobs on 3, and with the rows gathered beforehand
+// (MOK_FUSED_GATHER=kernel), lag 1 and DOWN stored from registers on 5.
 static void fused_case(fwd_problem_t *p, const char *what) {
   fwd_gpu_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, p));
@@ -458,6 +458,17 @@ static void fused_case(fwd_problem_t *p, const char *what) {
                    y.size(), (long long)first, first >= 0 ? y[first] : 0, first >= 0 ? y0[first] : 0);
     MOK_EXPECT_MSG(c == c0, "%s: fused on %s CTAs: the saved context differs from the chain's",
                    what, sms[i] ? sms[i] : "all");
+  }
+  // Knobs that must not change a bit: the consumer warpgroups issuing in turns (ORDER), g and u
+  // stored through shared memory and TMA (GU_STAGED); each on, the other off, on 3 CTAs.
+  for (int order = 0; order < 2; order++) {
+    setenv("MOK_FUSED_ORDER", order ? "1" : "0", 1);
+    setenv("MOK_FUSED_GU_STAGED", order ? "0" : "1", 1);
+    run_path(&g, p, "fused", "3", &y, &c, what);
+    unsetenv("MOK_FUSED_ORDER");
+    unsetenv("MOK_FUSED_GU_STAGED");
+    MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with MOK_FUSED_ORDER=%d, MOK_FUSED_GU_STAGED=%d "
+                   "differs from the chain", what, order, !order);
   }
   setenv("MOK_FUSED_GATHER", "kernel", 1);  // GATE_UP reads rows gathered by the chain's kernel
   setenv("MOK_FUSED_LAG", "1", 1);           // the plan's smallest lag
