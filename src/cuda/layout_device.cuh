@@ -153,7 +153,7 @@ __device__ __forceinline__ void layout_run(const mok_tp_params_t &p, int32_t *sm
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int d = 0; d < W; d++)
-      tp_st_release_sys((uint64_t *)(p.peer[d] + p.win.flags) + parity * W + me, p.layout_epoch);
+      ptx_st_release_sys_u64((uint64_t *)(p.peer[d] + p.win.flags) + parity * W + me, p.layout_epoch);
   }
   int arrived = 1;
   if (threadIdx.x < (unsigned)W) {

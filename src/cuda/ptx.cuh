@@ -209,6 +209,20 @@ __device__ __forceinline__ void ptx_red_release_gpu_add(uint32_t *p, uint32_t v)
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// System-scope (other GPUs) acquire load, release store and release add of a 64-bit flag or
+// counter, which may live in a peer's memory mapped here.
+__device__ __forceinline__ uint64_t ptx_ld_acquire_sys_u64(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void ptx_st_release_sys_u64(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void ptx_red_release_sys_add_u64(uint64_t *p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Orders this thread's view of global memory (generic proxy) before its later TMA reads (async
 // proxy): data another SM stored with ordinary stores and published with a release, observed here
 // with an acquire, is then what the TMA unit reads.

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "cuda/launch.h"
+#include "cuda/ptx.cuh"
 
 #define TP_THREADS 512 /* threads of a communication CTA */
 #define TP_UNROLL 4    /* 16-byte chunks in flight per lane: 16 warps x 2 KB = 32 KB per SM */
@@ -33,28 +34,8 @@ static_assert(TP_THREADS % 32 == 0 && TP_THREADS <= 1024, "whole warps");
 static_assert(MOK_TP_MAX_RANKS <= 32, "one lane per rank in the waits");
 
 /* ---------------------------------------------------------------------------------------------- */
-/* PTX: system-scope ordering, 16-byte accesses, timers                                            */
+/* PTX: 16-byte accesses and the SM id (system-scope counters and the timer are in ptx.cuh)       */
 /* ---------------------------------------------------------------------------------------------- */
-
-__device__ __forceinline__ uint64_t tp_ld_acquire_sys(const uint64_t *p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void tp_st_release_sys(uint64_t *p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void tp_red_add_release_sys(uint64_t *p, uint64_t v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t tp_globaltimer_ns(void) {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ int tp_smid(void) {
   uint32_t r;
@@ -123,15 +104,15 @@ __device__ __forceinline__ void tp_record_error(mok_tp_error_t *err, int code, i
 // another wait of the launch has failed.
 __device__ __noinline__ int tp_wait_geq(const uint64_t *ctr, uint64_t target,
                                         const mok_tp_params_t &p, int counter, int peer) {
-  uint64_t v = tp_ld_acquire_sys(ctr);
+  uint64_t v = ptx_ld_acquire_sys_u64(ctr);
   if (v >= target) return 1;
-  const uint64_t t0 = tp_globaltimer_ns();
+  const uint64_t t0 = ptx_globaltimer_ns();
   for (uint32_t i = 1;; i++) {
-    v = tp_ld_acquire_sys(ctr);
+    v = ptx_ld_acquire_sys_u64(ctr);
     if (v >= target) return 1;
     if ((i & 63) == 0) {
       if (*(volatile int32_t *)&p.err->abort) return 0;
-      if (tp_globaltimer_ns() - t0 > p.timeout_ns) {
+      if (ptx_globaltimer_ns() - t0 > p.timeout_ns) {
         tp_record_error(p.err, MOK_ERROR_TIMEOUT, 1, p.rank, counter, peer, v, target, 0, 0, 0);
         return 0;
       }
@@ -159,7 +140,7 @@ __device__ __forceinline__ void tp_cta_signal_ranks(const mok_tp_params_t &p, si
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int d = 0; d < p.nranks; d++)
-      tp_red_add_release_sys((uint64_t *)(p.peer[d] + region) + p.rank, 1);
+      ptx_red_release_sys_add_u64((uint64_t *)(p.peer[d] + region) + p.rank, 1);
   }
 }
 
@@ -342,13 +323,28 @@ __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p) {
     const char *src = comb + t * K * H * 2;
     for (int64_t c = lane; c < chunks; c += 32) {
       float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (uint64_t m = kmask; m; m &= m - 1) {  // ascending k: the slot order of the sum
-        const int64_t k = __ffsll((long long)m) - 1;
-        const uint4 v = tp_ld_peer_v4(src + k * H * 2 + c * 16);
-        tp_acc_bf16x2(a[0], a[1], v.x);
-        tp_acc_bf16x2(a[2], a[3], v.y);
-        tp_acc_bf16x2(a[4], a[5], v.z);
-        tp_acc_bf16x2(a[6], a[7], v.w);
+      // Slots in groups of 8 in ascending k (the slot order of the sum): the group's loads are
+      // issued together, since one at a time a warp here is bound by latency, not bandwidth.
+      for (uint64_t m = kmask; m;) {
+        uint4 v[8];
+        bool used[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          used[j] = m != 0;
+          if (used[j]) {
+            const int64_t k = __ffsll((long long)m) - 1;
+            m &= m - 1;
+            v[j] = tp_ld_peer_v4(src + k * H * 2 + c * 16);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          if (!used[j]) break;
+          tp_acc_bf16x2(a[0], a[1], v[j].x);
+          tp_acc_bf16x2(a[2], a[3], v[j].y);
+          tp_acc_bf16x2(a[4], a[5], v[j].z);
+          tp_acc_bf16x2(a[6], a[7], v[j].w);
+        }
       }
       tp_st_v4(dst + c * 16, make_uint4(tp_pack_bf16x2(a[0], a[1]), tp_pack_bf16x2(a[2], a[3]),
                                         tp_pack_bf16x2(a[4], a[5]), tp_pack_bf16x2(a[6], a[7])));
