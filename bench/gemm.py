@@ -476,6 +476,26 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
     return row
 
 
+def describe(row):
+    """One line of a case's results for the running log."""
+    if row["mok_ms"] is None:
+        return "WRONG " + row["error"]
+    out = f"mok {row['mok_ms']:7.3f} ms {row['tflops']:6.1f} TF/s | "
+    if row["baseline_ms"] is None:
+        out += "torch failed: " + row.get("baseline_error", "?")
+    else:
+        out += (f"torch {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s | "
+                f"ratio {row['ratio']:.3f}")
+    err = row.get("rel_err_vs_dequant_bf16", row.get("rel_err_vs_baseline"))
+    out += f" | err {err:.2e}"
+    if "mok_f32_ms" not in row:  # --variants
+        out += "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items() if k in variants_names)
+    else:  # weight gradients
+        out += (f" | mok fp32 out {row['mok_f32_ms']:.3f} ms | mok direct stores "
+                f"{row['mok_direct_store_ms']:.3f} ms | baseline {row['baseline']}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default=os.path.join(ROOT, "build", "libmok.so"))
@@ -493,65 +513,24 @@ def main():
     lib = load_lib(args.lib)
     gen = torch.Generator().manual_seed(1234)
     torch.manual_seed(1234)
-    rows = []
-    for model in MODELS:
-        for gemm in ("gate_up", "gate_up_swiglu", "down", "bwd_ds", "bwd_dx"):
-            for routing in ("balanced", "skewed"):
-                name = f"{model}/{gemm}/{routing}"
-                if args.cases and args.cases not in name:
-                    continue
-                row = run_case(lib, model, gemm, routing, args, gen)
-                rows.append(row)
-                torch.cuda.empty_cache()
-                with open(args.jsonl, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                if row["mok_ms"] is None:
-                    print(f"{name:44s} {row['error']}", flush=True)
-                else:
-                    print(f"{name:44s} mok {row['mok_ms']:7.3f} ms {row['tflops']:6.1f} TF/s | "
-                          f"torch {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s | "
-                          f"ratio {row['ratio']:.3f} | err {row['rel_err_vs_baseline']:.2e}" +
-                          "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items()
-                                  if k in variants_names),
-                          flush=True)
-    for model in WGRAD_MODELS:
-        for gemm in ("wgrad_dwd", "wgrad_dwg"):
-            for routing in ("balanced", "skewed"):
-                name = f"{model}/{gemm}/{routing}"
-                if args.cases and args.cases not in name:
-                    continue
-                row = run_case_wgrad(lib, model, gemm, routing, args, gen)
-                rows.append(row)
-                torch.cuda.empty_cache()
-                with open(args.jsonl, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                if row["mok_ms"] is None:
-                    print(f"{name:44s} {row['error']}", flush=True)
-                else:
-                    print(f"{name:44s} mok {row['mok_ms']:7.3f} ms {row['tflops']:6.1f} TF/s | "
-                          f"torch {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s | "
-                          f"ratio {row['ratio']:.3f} | err {row['rel_err_vs_baseline']:.2e} | "
-                          f"mok fp32 out {row['mok_f32_ms']:.3f} ms | mok direct stores "
-                          f"{row['mok_direct_store_ms']:.3f} ms | baseline {row['baseline']}",
-                          flush=True)
+    cases = [(f"{m}/{g}/{r}", run_case, (m, g, r)) for m in MODELS
+             for g in ("gate_up", "gate_up_swiglu", "down", "bwd_ds", "bwd_dx")
+             for r in ("balanced", "skewed")]
+    cases += [(f"{m}/{g}/{r}", run_case_wgrad, (m, g, r)) for m in WGRAD_MODELS
+              for g in ("wgrad_dwd", "wgrad_dwg") for r in ("balanced", "skewed")]
     if not args.no_fp8:
-        for model in MODELS:
-            for gemm in ("gate_up", "down"):
-                for routing in ("balanced", "skewed"):
-                    name = f"{model}/{gemm}/{routing}/fp8"
-                    if args.cases and args.cases not in name:
-                        continue
-                    row = run_case_fp8(lib, model, gemm, routing, args, gen)
-                    rows.append(row)
-                    torch.cuda.empty_cache()
-                    with open(args.jsonl, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    print(f"{name:44s} " + ("WRONG " + row["error"] if row["mok_ms"] is None else
-                          f"mok {row['mok_ms']:7.3f} ms {row['tflops']:6.1f} TF/s | " +
-                          (f"torch {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s"
-                           f" | ratio {row['ratio']:.3f}" if row["baseline_ms"] else
-                           "torch failed: " + row.get("baseline_error", "?")) +
-                          f" | err {row['rel_err_vs_dequant_bf16']:.2e}"), flush=True)
+        cases += [(f"{m}/{g}/{r}/fp8", run_case_fp8, (m, g, r)) for m in MODELS
+                  for g in ("gate_up", "down") for r in ("balanced", "skewed")]
+    rows = []
+    for name, run, (model, gemm, routing) in cases:
+        if args.cases and args.cases not in name:
+            continue
+        row = run(lib, model, gemm, routing, args, gen)
+        rows.append(row)
+        torch.cuda.empty_cache()
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{name:44s} {describe(row)}", flush=True)
     print(f"\n{'case':44s} {'mok ms':>8s} {'TF/s':>7s} {'torch ms':>9s} {'TF/s':>7s} {'ratio':>6s}")
     for r in rows:
         if r["mok_ms"] is None:

@@ -119,20 +119,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                 "staged stores are bf16 only");
   static_assert(!B_NMAJOR || (CLUSTER == 1 && EPI != MOK_GG_EPI_SWIGLU), "N-major B: plain GEMM");
   extern __shared__ uint8_t smem_raw[];
-  uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-  uint64_t *full = (uint64_t *)(smem + P::FULL_OFFSET);
-  uint64_t *empty = (uint64_t *)(smem + P::EMPTY_OFFSET);
-
+  uint64_t *full, *empty;
+  uint8_t *smem = tp_kernel_start<P, CLUSTER>(smem_raw, &full, &empty, &tm_a, &tm_b,
+                                              EPI == MOK_GG_EPI_SWIGLU ? &tm_b2 : NULL,
+                                              TMA_STORE ? &tm_c : NULL);
   const int wg = threadIdx.x / 128;
   const int rank = CLUSTER > 1 ? (int)ptx_cluster_ctarank() : 0;
-  if (threadIdx.x == 32) {
-    tp_init_barriers<STAGES, CLUSTER>(full, empty);
-    ptx_prefetch_tensormap(&tm_a);
-    ptx_prefetch_tensormap(&tm_b);
-    if (EPI == MOK_GG_EPI_SWIGLU) ptx_prefetch_tensormap(&tm_b2);
-    if (TMA_STORE) ptx_prefetch_tensormap(&tm_c);
-  }
-  __syncthreads();
   // NOTE: the peer's producer multicasts into this CTA's ring and its consumers arrive on this
   // CTA's barriers: every barrier of the cluster must be initialized before anyone starts.
   if (CLUSTER > 1) ptx_cluster_sync();

@@ -30,18 +30,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   typedef tp_plan<GG8_BM, GG8_BN, GG8_STAGES, C_BYTES> P;
   static_assert(EPI != MOK_GG_EPI_SWIGLU, "fp8-block SwiGLU is not implemented");
   extern __shared__ uint8_t smem_raw[];
-  uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-  uint64_t *full = (uint64_t *)(smem + P::FULL_OFFSET);
-  uint64_t *empty = (uint64_t *)(smem + P::EMPTY_OFFSET);
-
+  uint64_t *full, *empty;
+  uint8_t *smem = tp_kernel_start<P, 1>(smem_raw, &full, &empty, &tm_a, &tm_b,
+                                        STAGED ? &tm_c : NULL, NULL);
   const int wg = threadIdx.x / 128;
-  if (threadIdx.x == 32) {
-    tp_init_barriers<GG8_STAGES, 1>(full, empty);
-    ptx_prefetch_tensormap(&tm_a);
-    ptx_prefetch_tensormap(&tm_b);
-    if (STAGED) ptx_prefetch_tensormap(&tm_c);
-  }
-  __syncthreads();
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
                                    p.n_tiles, GG8_BM, GG8_BN, 1, 0);

@@ -92,18 +92,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   constexpr int C_BYTES = TMA_STORE ? GW_C_BYTES : 0;
   typedef tp_plan<GW_BM, GW_BN, STAGES, C_BYTES> P;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-  uint64_t *full = (uint64_t *)(smem + P::FULL_OFFSET);
-  uint64_t *empty = (uint64_t *)(smem + P::EMPTY_OFFSET);
-
+  uint64_t *full, *empty;
+  uint8_t *smem = tp_kernel_start<P, 1>(smem_raw, &full, &empty, &tm_a, &tm_b,
+                                        TMA_STORE ? &tm_c : NULL, NULL);
   const int wg = threadIdx.x / 128;
-  if (threadIdx.x == 32) {
-    tp_init_barriers<STAGES, 1>(full, empty);
-    ptx_prefetch_tensormap(&tm_a);
-    ptx_prefetch_tensormap(&tm_b);
-    if (TMA_STORE) ptx_prefetch_tensormap(&tm_c);
-  }
-  __syncthreads();
 
   gw_sched_t sched = gw_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
                                    p.m_tiles, p.n_tiles, GW_BM, GW_BN);

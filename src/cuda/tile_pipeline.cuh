@@ -40,6 +40,7 @@
 // staging area of the epilogue (0 when it stores straight from registers).
 template <int BM, int BN, int STAGES, int C_BYTES>
 struct tp_plan {
+  static constexpr int NUM_STAGES = STAGES;
   static constexpr int A_BYTES = BM * MOK_TP_ROW_BYTES;  // A stage tile [BM, 128 B]
   static constexpr int B_BYTES = BN * MOK_TP_ROW_BYTES;  // B stage tile [BN, 128 B]
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -77,6 +78,28 @@ __device__ __forceinline__ void tp_init_barriers(uint64_t *full, uint64_t *empty
     ptx_mbar_init(&empty[s], MOK_TP_CONSUMER_WARPS * CLUSTER);
   }
   ptx_fence_mbarrier_init();
+}
+
+// The start of a grouped-GEMM kernel: the ring's shared memory (plan P) in the dynamic allocation,
+// aligned to 1024 bytes (the 128-byte swizzle's atom), its barriers initialized and the tensor
+// maps prefetched by one thread, then a CTA barrier. NULL maps are not prefetched.
+template <typename P, int CLUSTER>
+__device__ __forceinline__ uint8_t *tp_kernel_start(uint8_t *smem_raw, uint64_t **full,
+                                                    uint64_t **empty, const CUtensorMap *m0,
+                                                    const CUtensorMap *m1, const CUtensorMap *m2,
+                                                    const CUtensorMap *m3) {
+  uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+  *full = (uint64_t *)(smem + P::FULL_OFFSET);
+  *empty = (uint64_t *)(smem + P::EMPTY_OFFSET);
+  if (threadIdx.x == 32) {
+    tp_init_barriers<P::NUM_STAGES, CLUSTER>(*full, *empty);
+    const CUtensorMap *maps[4] = {m0, m1, m2, m3};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+      if (maps[i]) ptx_prefetch_tensormap(maps[i]);
+  }
+  __syncthreads();
+  return smem;
 }
 
 // Where the B tile's two 128-row halves come from: rows [0, 128) from (map_lo, row_lo) and rows

@@ -50,6 +50,27 @@ static inline void fill_bf16(std::vector<uint16_t> &v, float scale) {
   for (size_t i = 0; i < v.size(); i++) v[i] = f2bf(scale * rnd_unit());
 }
 
+// Launcher parameters for G groups of a [M, K] x [N, K] problem: dtype, epilogue and the main
+// operands; everything else zero (K-major B, int32 offsets, one CTA per SM) for the caller to set.
+static inline mok_grouped_gemm_params_t gemm_params(mok_gg_dtype_t dtype, mok_gg_epilogue_t epi,
+                                                    int64_t G, int64_t M, int64_t N, int64_t K,
+                                                    const void *a, const void *b,
+                                                    const void *offsets, void *c) {
+  mok_grouped_gemm_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.dtype = dtype;
+  p.epilogue = epi;
+  p.num_groups = G;
+  p.m_total = M;
+  p.n = N;
+  p.k = K;
+  p.a = a;
+  p.b = b;
+  p.offsets = offsets;
+  p.c = c;
+  return p;
+}
+
 // Device copy of a host vector; returns NULL on failure.
 template <class T>
 static T *to_dev(const std::vector<T> &h) {

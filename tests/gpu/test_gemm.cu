@@ -121,21 +121,10 @@ static void check_small(const problem_t &pr, mok_gg_epilogue_t epi, int offsets_
   cudaMemset(du, 0xFF, (size_t)M * N * 2);
   if (epi == MOK_GG_EPI_ACCUM_F32) cudaMemcpy(dc, dinit, cbytes, cudaMemcpyDeviceToDevice);
 
-  mok_grouped_gemm_params_t p;
-  memset(&p, 0, sizeof(p));
-  p.dtype = MOK_GG_BF16;
+  mok_grouped_gemm_params_t p = gemm_params(MOK_GG_BF16, epi, G, M, N, K, da, db, doffs, dc);
   p.b_layout = nmajor ? MOK_GG_B_NMAJOR : MOK_GG_B_KMAJOR;  // b holds [G, K, N] when N-major
-  p.epilogue = epi;
   p.offsets_int64 = offsets_int64;
-  p.num_groups = G;
-  p.m_total = M;
-  p.n = N;
-  p.k = K;
-  p.a = da;
-  p.b = db;
   p.b2 = db2;
-  p.offsets = doffs;
-  p.c = dc;
   p.row_scale = dw;
   p.g_out = swiglu && with_gu ? dg : NULL;
   p.u_out = swiglu && with_gu ? du : NULL;
@@ -303,18 +292,8 @@ MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
   problem_t pu = pr;
   MOK_REQUIRE(cublas_grouped(h, pu, da, du, drefu) == 0);
 
-  mok_grouped_gemm_params_t p;
-  memset(&p, 0, sizeof(p));
-  p.dtype = MOK_GG_BF16;
-  p.epilogue = MOK_GG_EPI_STORE_BF16;
-  p.num_groups = G;
-  p.m_total = M;
-  p.n = N;
-  p.k = K;
-  p.a = da;
-  p.b = db;
-  p.offsets = doffs;
-  p.c = dc;
+  mok_grouped_gemm_params_t p =
+      gemm_params(MOK_GG_BF16, MOK_GG_EPI_STORE_BF16, G, M, N, K, da, db, doffs, dc);
   std::vector<uint16_t> c((size_t)M * N), c2((size_t)M * N), first_plain, first_swiglu;
   std::vector<float> ref((size_t)M * N), refu((size_t)M * N);
   cudaMemcpy(ref.data(), dref, ref.size() * 4, cudaMemcpyDeviceToHost);
@@ -413,18 +392,9 @@ MOK_TEST(gemm_bf16_nmajor_large_matches_cublas) {
   }
   std::vector<float> ref((size_t)M * N);
   cudaMemcpy(ref.data(), dref, ref.size() * 4, cudaMemcpyDeviceToHost);
-  mok_grouped_gemm_params_t p;
-  memset(&p, 0, sizeof(p));
-  p.dtype = MOK_GG_BF16;
+  mok_grouped_gemm_params_t p =
+      gemm_params(MOK_GG_BF16, MOK_GG_EPI_STORE_BF16, G, M, N, K, da, db, doffs, NULL);
   p.b_layout = MOK_GG_B_NMAJOR;
-  p.epilogue = MOK_GG_EPI_STORE_BF16;
-  p.num_groups = G;
-  p.m_total = M;
-  p.n = N;
-  p.k = K;
-  p.a = da;
-  p.b = db;
-  p.offsets = doffs;
   std::vector<uint16_t> c((size_t)M * N), c2((size_t)M * N);
   for (int mode = 1; mode < GEMM_MODES; mode++) {  // no clusters with N-major B
     set_gemm_mode(mode);
