@@ -182,6 +182,7 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   p.tile_pre = (int32_t *)(ws + lay->ws[MOK_WS_TILE_PRE]);
   p.counters = (uint32_t *)(ws + lay->ws[MOK_WS_COUNTERS]);
   p.n_counters = mok_fc_count(R, E, l->d.max_tokens);
+  p.layout_scratch = ws + lay->ws[MOK_WS_LAYOUT];
 
   mokResult_t r = mok_fwd_layout_launch(&p, stream);
   if (r != MOK_SUCCESS) return gpu_launcher_failed(l, r);

@@ -15,6 +15,7 @@
  *   tile_pre       [E + 1] int32       prefix sums of row tiles per expert, ceil(rows_e / 128)
  *   counters       [mok_fc_count] u32  the fused forward's task counters (MOK_FC_*), zeroed by
  *                                      the layout kernel of every call
+ *   layout         mok_ll_bytes        the layout kernels' per-CTA partials (mok_ll_*)
  *   xg             [R, H] bf16         gathered token rows, expert order
  *   yk             [R, H] bf16         expert outputs; NOTE: aliases xg (read by the gate/up GEMM,
  *                                      written by the down GEMM, which runs after it on the stream)
@@ -90,7 +91,7 @@ typedef struct {
 
 typedef enum {
   MOK_WS_ERROR = 0, MOK_WS_STATUS, MOK_WS_OFFSETS, MOK_WS_SHARED_OFFSETS, MOK_WS_SLOT_ROW,
-  MOK_WS_ROW_W, MOK_WS_ROW_TOK, MOK_WS_TILE_PRE, MOK_WS_COUNTERS, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
+  MOK_WS_ROW_W, MOK_WS_ROW_TOK, MOK_WS_TILE_PRE, MOK_WS_COUNTERS, MOK_WS_LAYOUT, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
   /* backward */
   MOK_WS_DYG, MOK_WS_DS, MOK_WS_DG, MOK_WS_DU, MOK_WS_DXK, MOK_WS_DW_ROW, MOK_WS_DSS, MOK_WS_DGS,
   MOK_WS_DUS, MOK_WS_DXS, MOK_WS_G, MOK_WS_U, MOK_WS_GS, MOK_WS_US, MOK_WS_WGRAD32,
@@ -134,6 +135,29 @@ MOK_WS_FN int64_t mok_fc_count(int64_t R, int64_t E, int64_t T_max) {
   return mok_fc_sgu(R, E) + (T_max + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
 }
 
+/* The layout kernels (src/cuda/layout_local.cu) split a call's T tokens into mok_ll_ctas(T)
+ * chunks of mok_ll_chunk(T) tokens, whole rounds of MOK_LL_ROUND (one token per thread), at most
+ * MOK_LL_MAX_CTAS chunks. Chunk c leaves its partials in the workspace's layout region:
+ *   counts [ctas, E] int32   its rows per expert
+ *   bad    [ctas] u64        its first bad (token, slot) index, ~0 when none
+ *   hash   [ctas] u64        its part of the routing hash */
+enum { MOK_LL_ROUND = 512, MOK_LL_MAX_CTAS = 128 };
+MOK_WS_FN int64_t mok_ll_chunk(int64_t T) {
+  const int64_t rounds = T > 0 ? (T + MOK_LL_ROUND - 1) / MOK_LL_ROUND : 1;
+  return (rounds + MOK_LL_MAX_CTAS - 1) / MOK_LL_MAX_CTAS * MOK_LL_ROUND;
+}
+MOK_WS_FN int64_t mok_ll_ctas(int64_t T) {
+  const int64_t chunk = mok_ll_chunk(T);
+  return T > 0 ? (T + chunk - 1) / chunk : 1;
+}
+/* Room for every T <= T_max (the chunk count is not monotonic in T: up to MOK_LL_MAX_CTAS chunks
+ * of one round, then fewer, longer ones), the bad and hash arrays 16-byte aligned. */
+MOK_WS_FN size_t mok_ll_bytes(int64_t T_max, int64_t E) {
+  const int64_t rounds = (T_max + MOK_LL_ROUND - 1) / MOK_LL_ROUND;
+  const int64_t ctas = rounds < 1 ? 1 : (rounds < MOK_LL_MAX_CTAS ? rounds : MOK_LL_MAX_CTAS);
+  return (size_t)ctas * ((size_t)E * 4 + 16) + 16;
+}
+
 /* The one layout of a GPU layer's workspace and context. */
 MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   const size_t T = (size_t)d->T_max, H = (size_t)d->H, I = (size_t)d->I, Is = (size_t)d->Is,
@@ -149,6 +173,7 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_TILE_PRE] = off, off = mok_ws_align(off + (E + 1) * 4);
   l->ws[MOK_WS_COUNTERS] = off,
   off = mok_ws_align(off + (size_t)mok_fc_count((int64_t)R, (int64_t)E, (int64_t)T) * 4);
+  l->ws[MOK_WS_LAYOUT] = off, off = mok_ws_align(off + mok_ll_bytes((int64_t)T, (int64_t)E));
   l->ws[MOK_WS_XG] = off, l->ws[MOK_WS_YK] = off, off = mok_ws_align(off + R * H * 2);
   l->ws[MOK_WS_A] = off, off = mok_ws_align(off + R * I * 2);
   l->ws[MOK_WS_AS] = off, off = mok_ws_align(off + T * Is * 2);

@@ -2,7 +2,8 @@
  * test_layout.c: the routing layout of src/cpu/layout.c. A hand-built case written out row by row,
  * then the layout's defining properties checked on random routings over W = 1..8 ranks and the
  * routing edge cases (uneven T, T = 0 with no routing array, empty experts, all tokens to one
- * expert, K = 1, empty slots), then every error path with its detail message.
+ * expert, K = 1, empty slots), then every error path with its detail message. Last, the GPU
+ * layout's split of the tokens into chunks (src/workspace.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 
 #include "cpu/layout.h"
 #include "test.h"
+#include "workspace.h"
 
 /* ---- the property checker -------------------------------------------------------------------- */
 
@@ -366,4 +368,30 @@ MOK_TEST(layout_rejects_bad_arguments) {
   MOK_EXPECT(mok_layout_build(&l, 2, 4, 2, INT64_MAX, T, idx, err, sizeof err) ==
              MOK_ERROR_INVALID_VALUE);
   MOK_EXPECT(l.T == NULL);
+}
+
+/* ---- the GPU layout's chunks (src/workspace.h, mok_ll_*) --------------------------------------- */
+
+/* For every T up to 200 000 tokens: the chunks are whole rounds, at most MOK_LL_MAX_CTAS of them,
+ * cover [0, T) with no empty chunk, and the layout region sized for any T_max >= T holds their
+ * partials (counts [ctas, E] int32 rounded up to 16 bytes, then two u64 per chunk). */
+MOK_TEST(gpu_layout_chunks_cover_the_tokens_and_fit_the_workspace) {
+  const int64_t E = 7;
+  int64_t most = 0; /* the largest chunk count of any T so far */
+  int bad = 0;
+  for (int64_t T = 0; T <= 200000 && bad < 5; T += T < 5000 ? 1 : 37) {
+    const int64_t chunk = mok_ll_chunk(T), ctas = mok_ll_ctas(T);
+    const int ok = chunk > 0 && chunk % MOK_LL_ROUND == 0 && ctas >= 1 &&
+                   ctas <= MOK_LL_MAX_CTAS && ctas * chunk >= T && (ctas - 1) * chunk < (T ? T : 1);
+    if (!ok && bad++ < 5)
+      mok_test_fail(__FILE__, __LINE__, "T = %lld: %lld chunks of %lld tokens", (long long)T,
+                    (long long)ctas, (long long)chunk);
+    if (ctas > most) most = ctas;
+    const size_t need = (size_t)((most * E + 3) & ~(int64_t)3) * 4 + (size_t)most * 16;
+    if (mok_ll_bytes(T, E) < need && bad++ < 5)
+      mok_test_fail(__FILE__, __LINE__, "T_max = %lld: %zu bytes for %lld chunks (%zu needed)",
+                    (long long)T, mok_ll_bytes(T, E), (long long)most, need);
+  }
+  MOK_EXPECT(bad == 0);
+  MOK_EXPECT(mok_ll_ctas(16384) == 32 && mok_ll_chunk(16384) == 512);
 }

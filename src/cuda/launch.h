@@ -338,6 +338,7 @@ typedef struct {
   int32_t *tile_pre;          /* [E + 1] row-tile prefix sums (128-row tiles); as row_tok */
   uint32_t *counters;         /* [n_counters] zeroed by the layout when not NULL */
   int64_t n_counters;
+  void *layout_scratch;       /* mok_ll_bytes(T, E) (src/workspace.h): the layout's partials */
   /* context regions (the layout kernel writes the header and copies of slot_row and offsets) */
   void *ctx_header;           /* mok_ctx_header_t */
   int32_t *ctx_slot_row;      /* [T_max, K] */

@@ -105,7 +105,7 @@ MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
   const route_t routes[3] = {{0.2, (1u << 2) | (1u << 7), -1}, {0.0, 0, 1}, {0.0, 0, -1}};
   for (int i = 0; i < 3; i++) {
     fwd_problem_t p;
-    fwd_problem_init(&p, 128, 128, 8, 2, 0, 1100, 1100);  // three rounds of the layout CTA
+    fwd_problem_init(&p, 128, 128, 8, 2, 0, 1100, 1100);  // three chunks of one round
     fwd_route(&p, routes[i]);
     fwd_gpu_t g;
     MOK_REQUIRE(fwd_gpu_open(&g, &p));
@@ -126,6 +126,22 @@ MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
   MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
   check_layout(&g, &p, "E = 128, K = 8, T = 2000");
   fwd_gpu_close(&g);
+
+  // Long calls on one layer sized for 70000 tokens: chunks of two rounds (T = 70000: 69 chunks of
+  // 1024 tokens), then the most chunks (T = 65536: 128 of one round).
+  fwd_problem_t q;
+  fwd_problem_init(&q, 128, 128, 8, 2, 0, 70000, 70000);
+  fwd_gpu_t gq;
+  MOK_REQUIRE(fwd_gpu_open(&gq, &q));
+  fwd_gpu_inputs(&gq, &q);
+  MOK_EXPECT(fwd_gpu_forward(&gq, q.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT_MSG(mok_layer_check(gq.l) == MOK_SUCCESS, "%s", mok_last_error());
+  check_layout(&gq, &q, "E = 8, K = 2, T = 70000");
+  q.T = 65536;
+  MOK_EXPECT(fwd_gpu_forward(&gq, q.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT_MSG(mok_layer_check(gq.l) == MOK_SUCCESS, "%s", mok_last_error());
+  check_layout(&gq, &q, "E = 8, K = 2, T = 65536 of 70000");
+  fwd_gpu_close(&gq);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
