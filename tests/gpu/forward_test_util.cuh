@@ -170,10 +170,11 @@ static mokResult_t cpu_forward(const fwd_problem_t *p, int64_t T, const uint16_t
  * sequential sum) and the epilogue's silu uses __expf, so g and u differ in their last fp32 bits;
  * then a bf16 rounding of `a` may flip (one bf16 ulp of one of I terms moves yk by about
  * 2^-8 / sqrt(I) of its size: inside atol), and so may the final bf16 rounding of y (at most
- * 2^-7 |ref|: rtol). A flip of an expert output yk (one ulp, up to 2^-7 |yk|) could exceed the
+ * 2^-7 |ref|: rtol). A flip of an expert output yk (one ulp, up to 2^-7 |yk|) can exceed the
  * bound where slots cancel; a CPU emulation of the GPU's arithmetic (16-term fp32 blocks, fp32
- * silu, the same roundings) never did: worst 0.78 of the bound over 1.2M elements of the small
- * shapes, 0.74 over 64 tokens at Qwen3-30B-A3B size.
+ * silu, the same roundings) never did on the small shapes (worst 0.78 of the bound over 1.2M
+ * elements), but 4 elements of 64 Qwen3-30B-A3B tokens did on the H200 (1.04 of the bound, a
+ * diff of one ulp of a yk near 0.5 in a y near 0.02): fwd_compare_y_slots allows exactly that.
  * The worst element is printed with its ratio to the bound.
  */
 static int fwd_compare_y(const char *what, const uint16_t *gpu, const uint16_t *ref, int64_t T,
@@ -203,6 +204,73 @@ static int fwd_compare_y(const char *what, const uint16_t *gpu, const uint16_t *
            atol, (long long)bad);
   }
   return bad == 0 && worst_ratio == worst_ratio;
+}
+
+// One bf16 ulp of v (v a bf16 value; 0 for 0).
+static double fwd_bf16_ulp(double v) {
+  if (v == 0) return 0;
+  int e;
+  frexp(fabs(v), &e);  // |v| in [2^(e-1), 2^e)
+  return ldexp(1.0, e - 1 - 7);
+}
+
+/*
+ * fwd_compare_y for S tokens of p (x rows xs, routing is, weights ws; no shared expert), where an
+ * element beyond the bound may still be the one case the bound leaves out (see above): a bf16
+ * rounding of an expert output yk that fell the other way where the slots cancel. For each token
+ * with such an element the CPU layer runs once per slot with the other slots empty, which gives
+ * that slot's yk exactly (a sum of one bf16 term), and the element passes if it is within the
+ * bound plus one bf16 ulp of each slot's yk there. At most 8 tokens may need this; the number of
+ * elements that did is printed.
+ */
+static int fwd_compare_y_slots(const char *what, const fwd_problem_t *p, const uint16_t *gpu,
+                               const uint16_t *ref, int64_t S, const uint16_t *xs,
+                               const int32_t *is, const float *ws) {
+  const int64_t H = p->H, K = p->K, n = S * H;
+  double ss = 0;
+  for (int64_t i = 0; i < n; i++) ss += (double)bf2f(ref[i]) * bf2f(ref[i]);
+  const double rtol = 1.0 / 128, atol = rtol * sqrt(ss / (double)(n > 0 ? n : 1));
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i < n; i++) {
+    const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
+    if (!(d <= atol + rtol * fabs(bf2f(ref[i]))) && (tokens.empty() || tokens.back() != i / H))
+      tokens.push_back(i / H);
+  }
+  if (tokens.empty()) return fwd_compare_y(what, gpu, ref, S, H);
+  if (tokens.size() > 8) {
+    printf("    %s: %zu tokens beyond the bound\n", what, tokens.size());
+    return fwd_compare_y(what, gpu, ref, S, H);
+  }
+  int64_t flips = 0, bad = 0;
+  for (int64_t s : tokens) {
+    std::vector<double> allow((size_t)H, 0.0);
+    for (int64_t k = 0; k < K; k++) {
+      if (is[s * K + k] < 0) continue;
+      std::vector<int32_t> one(is + s * K, is + s * K + K);
+      for (int64_t j = 0; j < K; j++)
+        if (j != k) one[j] = -1;
+      std::vector<uint16_t> yk;
+      if (cpu_forward(p, 1, xs + s * H, one.data(), ws + s * K, 0, 1, &yk, NULL) != MOK_SUCCESS)
+        return 0;
+      for (int64_t h = 0; h < H; h++) allow[h] += fwd_bf16_ulp(bf2f(yk[h]));
+    }
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t i = s * H + h;
+      const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
+      const double bound = atol + rtol * fabs(bf2f(ref[i]));
+      if (d <= bound) continue;
+      if (d <= bound + allow[h]) {
+        flips++;
+      } else if (bad++ < 5) {
+        printf("    %s: y[%lld][%lld]: gpu %.6g ref %.6g beyond %.3g + the slots' ulps %.3g\n",
+               what, (long long)s, (long long)h, bf2f(gpu[i]), bf2f(ref[i]), bound, allow[h]);
+      }
+    }
+  }
+  printf("    %s: %lld elements of %zu tokens within one ulp of their slots' expert outputs "
+         "(cancelling slots), %lld beyond\n",
+         what, (long long)flips, tokens.size(), (long long)bad);
+  return bad == 0;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
