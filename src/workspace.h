@@ -39,7 +39,7 @@
  *
  * Context (the caller's, mok_context_size bytes; written by forward, read by backward):
  *   header         mok_ctx_header_t    magic (0 when the call's routing was invalid), layer id, T,
- *                                      routing hash (GPU: Σ mix(i, topk_idx[i]), see layout_local.cu)
+ *                                      routing hash (GPU: Σ mok_ws_routing_mix(i, topk_idx[i]), below)
  *   slot_row       [T_max, K] int32    as in the workspace
  *   offsets        [E + 1] int32
  *   SAVE mode only:
@@ -156,6 +156,17 @@ MOK_WS_FN size_t mok_ll_bytes(int64_t T_max, int64_t E) {
   const int64_t rounds = (T_max + MOK_LL_ROUND - 1) / MOK_LL_ROUND;
   const int64_t ctas = rounds < 1 ? 1 : (rounds < MOK_LL_MAX_CTAS ? rounds : MOK_LL_MAX_CTAS);
   return (size_t)ctas * ((size_t)E * 4 + 16) + 16;
+}
+
+/* One term of the context header's routing hash, Σ_i mok_ws_routing_mix(i, topk_idx[i]) mod 2^64
+ * over the call's T K routing entries (an integer sum: any order gives the same hash): splitmix64
+ * of (index, id). The forward's layout kernels write it, the backward's context check recomputes
+ * it. */
+MOK_WS_FN uint64_t mok_ws_routing_mix(uint64_t i, int32_t e) {
+  uint64_t z = ((i << 32) | (uint32_t)e) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
 }
 
 /* The one layout of a GPU layer's workspace and context. */

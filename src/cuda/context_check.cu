@@ -30,16 +30,6 @@
 
 static_assert(CC_THREADS % 32 == 0, "whole warps");
 
-// splitmix64 of (index, id): one term of the routing hash Σ_i cc_mix(i, topk_idx[i]) mod 2^64.
-// NOTE: must stay equal to ll_mix in layout_local.cu, which writes the hash into the header; a
-// difference makes every backward report a mismatch (test_backward.cu would fail everywhere).
-__device__ __forceinline__ uint64_t cc_mix(uint64_t i, int32_t e) {
-  uint64_t z = ((i << 32) | (uint32_t)e) + 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 __global__ void __launch_bounds__(CC_THREADS, 1)
     cc_check_kernel(const __grid_constant__ mok_bwd_local_params_t p) {
   __shared__ unsigned long long s_hash;
@@ -50,7 +40,8 @@ __global__ void __launch_bounds__(CC_THREADS, 1)
   // The routing hash: per-thread sums, warp sums, one integer atomic per warp (order-free).
   const int64_t n = p.T * p.K;
   uint64_t hash = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) hash += cc_mix((uint64_t)i, p.topk_idx[i]);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    hash += mok_ws_routing_mix((uint64_t)i, p.topk_idx[i]);
   for (int o = 16; o > 0; o >>= 1) hash += __shfl_xor_sync(0xFFFFFFFFu, hash, o);
   if ((threadIdx.x & 31) == 0) atomicAdd(&s_hash, (unsigned long long)hash);
   __syncthreads();

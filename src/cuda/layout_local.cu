@@ -27,8 +27,9 @@
  * (token, slot) order (the minimum over the chunks: the same one whatever the timing) goes to the
  * error word.
  *
- * The routing hash of the context header is Σ_i mix(i, topk_idx[i]) mod 2^64 (integer sums do
- * not depend on order); FNV-1a, the CPU backend's, is sequential.
+ * The routing hash of the context header is Σ_i mok_ws_routing_mix(i, topk_idx[i]) mod 2^64
+ * (src/workspace.h; integer sums do not depend on order); FNV-1a, the CPU backend's, is
+ * sequential.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -51,14 +52,6 @@ static_assert(MOK_FWD_MAX_TOP_K <= 64, "valid slots of a token are one 64-bit ma
 // Shared memory of the count kernel for E experts: masks and warp prefixes [LL_WARPS, E], counts
 // [E].
 static size_t ll_smem_bytes(int64_t E) { return (size_t)(2 * LL_WARPS * E + E) * sizeof(int32_t); }
-
-// splitmix64 of (index, id): a hash term per routing entry.
-__device__ __forceinline__ uint64_t ll_mix(uint64_t i, int32_t e) {
-  uint64_t z = ((i << 32) | (uint32_t)e) + 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 // 0 when slot k of `row` is empty or valid; else the mok_ws_err_kind_t, with *other = E (range)
 // or the earlier slot holding the same expert (repeat).
@@ -125,7 +118,7 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
     if (has) {
       for (int64_t k = 0; k < K; k++) {
         const int32_t e = row[k];
-        hash += ll_mix((uint64_t)(t * K + k), e);
+        hash += mok_ws_routing_mix((uint64_t)(t * K + k), e);
         int64_t other;
         if (ll_slot_error(row, k, E, &other)) {
           atomicMin(&s_first_bad, (unsigned long long)(t * K + k));
