@@ -64,9 +64,10 @@
 #endif
 
 enum { FK_BM = MOK_FC_TILE_M, FK_BN = 256, FK_STAGES = 4 };
-// DOWN tiles are stored through shared memory and TMA (STAGED = 1: a [64, 128] bf16 staging
-// buffer per consumer warpgroup, two rounds per tile) when the E + 1 row-tile prefix sums still
-// fit next to it; else from registers (STAGED = 0). The ring is the same either way.
+// DOWN tiles, and GATE_UP's saved g and u, are stored through shared memory and TMA (STAGED = 1:
+// a [64, 128] bf16 staging buffer per consumer warpgroup, two rounds per tile) when the E + 1
+// row-tile prefix sums still fit next to it; else from registers (STAGED = 0). The ring is the
+// same either way.
 enum { FK_C_BYTES = 2 * 64 * 128 * 2 };
 typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 0> fk_plan;
 template <int STAGED>
