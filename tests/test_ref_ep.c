@@ -19,6 +19,24 @@ static void expect_bitwise(const char *what, const double *a, const double *b, i
                  i >= 0 ? a[i] : 0.0, i >= 0 ? b[i] : 0.0);
 }
 
+/* Two runs' y, dx, dtopk_w and routed weight gradients bitwise equal, and with shared_elems > 0
+ * their shared-expert weight gradients ([shared_elems] each) too. */
+static void expect_results_bitwise(const ref_problem_t *p, const ref_result_t *a,
+                                   const ref_result_t *b, int64_t shared_elems) {
+  const int64_t NH = p->N * p->H, RW = ref_routed_w_elems(p);
+  expect_bitwise("y", a->y, b->y, NH);
+  expect_bitwise("dx", a->dx, b->dx, NH);
+  expect_bitwise("dtopk_w", a->dtw, b->dtw, p->N * p->K);
+  expect_bitwise("dwg", a->dwg, b->dwg, RW);
+  expect_bitwise("dwu", a->dwu, b->dwu, RW);
+  expect_bitwise("dwd", a->dwd, b->dwd, RW);
+  if (shared_elems > 0) {
+    expect_bitwise("dwsg", a->dwsg, b->dwsg, shared_elems);
+    expect_bitwise("dwsu", a->dwsu, b->dwsu, shared_elems);
+    expect_bitwise("dwsd", a->dwsd, b->dwsd, shared_elems);
+  }
+}
+
 /* A result where every output that should have been written was (no fill value left over). */
 static int all_finite(const double *a, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
@@ -116,12 +134,7 @@ static void check_ep(const ref_problem_t *p, mok_precision_t prec, mok_fp8_scale
     ref_result_t many;
     rc = ref_run(p, &run, &many, err);
     MOK_REQUIRE_MSG(rc == MOK_SUCCESS, "W=%d: %d %s", run.W, (int)rc, err);
-    expect_bitwise("y", one.y, many.y, NH);
-    expect_bitwise("dx", one.dx, many.dx, NH);
-    expect_bitwise("dtopk_w", one.dtw, many.dtw, NK);
-    expect_bitwise("dwg", one.dwg, many.dwg, RW);
-    expect_bitwise("dwu", one.dwu, many.dwu, RW);
-    expect_bitwise("dwd", one.dwd, many.dwd, RW);
+    expect_results_bitwise(p, &one, &many, 0);  /* shared gradients: summed over ranks, below */
     if (SW > 0) {
       MOK_EXPECT(all_finite(many.dwsg, run.W * SW) && all_finite(many.dwsd, run.W * SW));
       expect_shared_sum(p, &run, &one, &many, (const double **)abs_terms);
@@ -217,16 +230,7 @@ MOK_TEST(ref_saved_context_matches_recompute) {
     MOK_REQUIRE(ref_run(&p, &run, &a, err) == MOK_SUCCESS);
     run.save = 0;
     MOK_REQUIRE(ref_run(&p, &run, &b, err) == MOK_SUCCESS);
-    const int64_t NH = p.N * p.H, RW = ref_routed_w_elems(&p), SW2 = 2 * ref_shared_w_elems(&p);
-    expect_bitwise("y", a.y, b.y, NH);
-    expect_bitwise("dx", a.dx, b.dx, NH);
-    expect_bitwise("dtopk_w", a.dtw, b.dtw, p.N * p.K);
-    expect_bitwise("dwg", a.dwg, b.dwg, RW);
-    expect_bitwise("dwu", a.dwu, b.dwu, RW);
-    expect_bitwise("dwd", a.dwd, b.dwd, RW);
-    expect_bitwise("dwsg", a.dwsg, b.dwsg, SW2);
-    expect_bitwise("dwsu", a.dwsu, b.dwsu, SW2);
-    expect_bitwise("dwsd", a.dwsd, b.dwsd, SW2);
+    expect_results_bitwise(&p, &a, &b, 2 * ref_shared_w_elems(&p)); /* one copy per rank */
     /* The saved g, u are bf16 values, written for every non-empty slot. */
     int ok = 1;
     for (int64_t s = 0; s < p.N * p.K; s++) {
@@ -258,16 +262,7 @@ MOK_TEST(ref_runs_are_deterministic) {
     MOK_REQUIRE(ref_run(&p, &run, &a, err) == MOK_SUCCESS);
     run.fill = 0.0;
     MOK_REQUIRE(ref_run(&p, &run, &b, err) == MOK_SUCCESS);
-    const int64_t NH = p.N * p.H, RW = ref_routed_w_elems(&p), SW4 = 4 * ref_shared_w_elems(&p);
-    expect_bitwise("y", a.y, b.y, NH);
-    expect_bitwise("dx", a.dx, b.dx, NH);
-    expect_bitwise("dtopk_w", a.dtw, b.dtw, p.N * p.K);
-    expect_bitwise("dwg", a.dwg, b.dwg, RW);
-    expect_bitwise("dwu", a.dwu, b.dwu, RW);
-    expect_bitwise("dwd", a.dwd, b.dwd, RW);
-    expect_bitwise("dwsg", a.dwsg, b.dwsg, SW4);
-    expect_bitwise("dwsu", a.dwsu, b.dwsu, SW4);
-    expect_bitwise("dwsd", a.dwsd, b.dwsd, SW4);
+    expect_results_bitwise(&p, &a, &b, 4 * ref_shared_w_elems(&p)); /* one copy per rank */
     ref_result_free(&a);
     ref_result_free(&b);
     ref_problem_free(&p);
