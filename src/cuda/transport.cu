@@ -20,7 +20,6 @@
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "cuda/launch.h"
 #include "cuda/layout_device.cuh"
@@ -36,15 +35,13 @@ __global__ void __launch_bounds__(LAYOUT_THREADS, 1)
   layout_run(p, layout_smem);
 }
 
-// UNROLL, THREADS: TP_UNROLL and TP_THREADS, or the variants of MOK_TP_UNROLL / MOK_TP_THREADS.
-template <int UNROLL, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(TP_THREADS, 1)
     tp_run_kernel(const __grid_constant__ mok_tp_params_t p) {
   __shared__ int32_t src_start[MOK_TP_MAX_RANKS + 1];  // first received position per source
   __shared__ int32_t estart[LAYOUT_MAX_EXPERTS];       // [EL] segment starts of our experts
 
   if (p.phases & MOK_TP_DISPATCH) {
-    tp_dispatch_send<UNROLL>(p);
+    tp_dispatch_send(p);
     tp_cta_signal_ranks(p, p.win.disp_ctr);
     const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.disp_ctr);
     if (!tp_cta_wait_ranks(ctr, p.disp_epoch, p, MOK_TP_WAIT_DISPATCH)) return;
@@ -61,7 +58,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int64_t e = threadIdx.x; e < p.EL; e += blockDim.x)
       estart[e] = p.lay.expert_start[p.rank * p.EL + e];
     __syncthreads();
-    tp_combine_send<UNROLL>(p, src_start, estart);
+    tp_combine_send(p, src_start, estart);
     tp_cta_signal_ranks(p, p.win.comb_ctr);
     const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.comb_ctr);
     if (!tp_cta_wait_ranks(ctr, p.comb_epoch, p, MOK_TP_WAIT_COMBINE)) return;
@@ -96,13 +93,6 @@ extern "C" mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream)
   if (!p) return MOK_ERROR_NULL_POINTER;
   if (p->EL > LAYOUT_MAX_EXPERTS || p->nranks > MOK_TP_MAX_RANKS || p->num_ctas < 1)
     return MOK_ERROR_INVALID_VALUE;
-  // Benchmark knobs (the same bits either way): 8 chunks in flight per lane, or 1024 threads (not
-  // both: that spills).
-  const char *u = getenv("MOK_TP_UNROLL"), *t = getenv("MOK_TP_THREADS");
-  const int u8 = u && atoi(u) == 8, t1024 = t && atoi(t) == 1024;
-  cudaStream_t s = (cudaStream_t)stream;
-  if (u8) tp_run_kernel<8, TP_THREADS><<<p->num_ctas, TP_THREADS, 0, s>>>(*p);
-  else if (t1024) tp_run_kernel<TP_UNROLL, 1024><<<p->num_ctas, 1024, 0, s>>>(*p);
-  else tp_run_kernel<TP_UNROLL, TP_THREADS><<<p->num_ctas, TP_THREADS, 0, s>>>(*p);
+  tp_run_kernel<<<p->num_ctas, TP_THREADS, 0, (cudaStream_t)stream>>>(*p);
   return tp_cuda(cudaGetLastError());
 }

@@ -27,9 +27,8 @@
 #include "cuda/launch.h"
 #include "cuda/ptx.cuh"
 
-#define TP_THREADS 512 /* threads of a communication CTA (MOK_TP_THREADS=1024: 1024) */
-#define TP_UNROLL 4    /* 16-byte chunks in flight per lane: 16 warps x 2 KB = 32 KB per SM
-                          (MOK_TP_UNROLL=8: 8) */
+#define TP_THREADS 512 /* threads of a communication CTA */
+#define TP_UNROLL 4    /* 16-byte chunks in flight per lane: 16 warps x 2 KB = 32 KB per SM */
 
 static_assert(TP_THREADS % 32 == 0 && TP_THREADS <= 1024, "whole warps");
 static_assert(MOK_TP_MAX_RANKS <= 32, "one lane per rank in the waits");
@@ -193,7 +192,6 @@ __device__ __forceinline__ int64_t tp_grid_warps(void) {
 // Sends this CTA's tokens: token t goes, once, to every rank d with token_pos[t, d] >= 0
 // (any of its slots routes there): x[t] to recv_x[pos] and {t, rows of its slots on d} to
 // recv_meta[pos] in d's window. A warp per token; the row is read once, stored once per rank.
-template <int UNROLL>
 __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;
@@ -219,10 +217,10 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
       }
     }
     const char *src = (const char *)p.x + t * H * 2;
-    for (int64_t c0 = 0; c0 < chunks; c0 += 32 * UNROLL) {
-      uint4 v[UNROLL];
+    for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
+      uint4 v[TP_UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; u++) {
+      for (int u = 0; u < TP_UNROLL; u++) {
         const int64_t c = c0 + u * 32 + lane;
         if (c < chunks) v[u] = tp_ld_input_v4(src + c * 16);
       }
@@ -231,7 +229,7 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
         const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
         char *dst = p.peer[d] + p.win.recv_x + (int64_t)pd * H * 2;
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+        for (int u = 0; u < TP_UNROLL; u++) {
           const int64_t c = c0 + u * 32 + lane;
           if (c < chunks) tp_st_v4(dst + c * 16, v[u]);
         }
@@ -261,7 +259,6 @@ __device__ __forceinline__ int tp_local_expert_of_row(const int32_t *start, int 
 // every slot k whose row is on this rank, f(recv_x[p], e_k) goes to comb[t, k] in s's window.
 // src_start: [W + 1] first received position of each source rank; estart: [EL] this rank's
 // segment starts (shared memory, filled by the caller). Needs the dispatch counters waited for.
-template <int UNROLL>
 __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
                                                 const int32_t *estart) {
   const int lane = threadIdx.x & 31;
@@ -287,10 +284,10 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
         const int el = tp_local_expert_of_row(estart, (int)p.EL, row);
         scale = tp_expert_scale((int)(p.rank * p.EL + el));
       }
-      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * UNROLL) {
-        uint4 v[UNROLL];
+      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
+        uint4 v[TP_UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+        for (int u = 0; u < TP_UNROLL; u++) {
           const int64_t c = c0 + u * 32 + lane;
           if (c < chunks) v[u] = tp_ld_peer_v4(src + c * 16);
         }
@@ -299,7 +296,7 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
           const float sk = __shfl_sync(0xffffffffu, scale, k);
           char *dst = dst_tok + (k0 + k) * H * 2;
 #pragma unroll
-          for (int u = 0; u < UNROLL; u++) {
+          for (int u = 0; u < TP_UNROLL; u++) {
             const int64_t c = c0 + u * 32 + lane;
             if (c < chunks) tp_st_v4(dst + c * 16, tp_scale_v4(v[u], sk));
           }
