@@ -1,10 +1,11 @@
 /*
  * gpu_backend.c: the public calls on a GPU layer, host side. W = 1 and BF16 run on the GPU, on the
  * caller's stream, with no host synchronization and no device data read on the host, so a forward
- * can be captured in a CUDA graph. The forward is two kernels (launch.h):
+ * can be captured in a CUDA graph. The forward is three kernels (launch.h):
  *
- *   layout (1 CTA)       topk_idx [T, K] -> status, offsets [E + 1], slot_row [T, K], ctx header,
- *                        row_tok / row_w [R], row-tile prefix sums, the fused kernel's counters
+ *   layout (count and    topk_idx [T, K] -> status, offsets [E + 1], slot_row [T, K], ctx header,
+ *   finish, a CTA per    row_tok / row_w [R], row-tile prefix sums, the fused kernel's counters
+ *   chunk of tokens)
  *   fused (persistent)   src/cuda/forward_fused.cu: gathers x rows into its gate/up tiles,
  *                        a = bf16(row_w · silu(g) · u) (SAVE: g, u -> ctx), yk = bf16(a · Wdᵀ),
  *                        the shared expert, and y = bf16(ys + yk(slot 0) + ... + yk(slot K-1))
@@ -13,8 +14,9 @@
  * against, bit for bit): layout, gather (x -> xg), the gate/up, down, shared gate/up and shared
  * down grouped GEMMs, reduce. MOK_FORWARD_SMS=n runs the fused kernel on n CTAs,
  * MOK_FUSED_GATHER=kernel lets the chain's gather kernel fill xg first, MOK_FUSED_LAG=n sets its
- * plan's lag, MOK_FUSED_STAGED=0 stores DOWN tiles from registers; none of these changes a bit of
- * the results. Buffers are the regions of src/workspace.h. Errors the kernels find (bad routing,
+ * plan's lag, MOK_FUSED_STAGED=0 stores DOWN tiles from registers, MOK_FUSED_GU_STAGED=0 stores
+ * g and u from registers, MOK_FUSED_ORDER=1 makes the consumer warpgroups issue in turns; none of
+ * these changes a bit of the results. Buffers are the regions of src/workspace.h. Errors the kernels find (bad routing,
  * capacity overflow) make the call compute nothing and wait in the workspace's error word for
  * mok_layer_check. Other GPU layers (W > 1, fp8) allocate nothing and report
  * MOK_ERROR_NOT_IMPLEMENTED.

@@ -308,13 +308,13 @@ mokResult_t mok_transport_remote_bytes(mok_transport_t t, int64_t *dispatch_byte
 /* ============================================================================================== */
 /*
  * The short kernel chain src/gpu_backend.c runs for mok_forward on one GPU, around the grouped
- * GEMMs above: layout (one CTA) -> gather -> [gate/up, down, shared gate/up, shared down GEMMs]
- * -> reduce. Buffers are the regions of src/workspace.h. No launcher synchronizes or reads device
+ * GEMMs above: layout (two kernels, a CTA per chunk of tokens) -> gather -> [gate/up, down,
+ * shared gate/up, shared down GEMMs] -> reduce. Buffers are the regions of src/workspace.h. No launcher synchronizes or reads device
  * memory on the host, so the chain can be captured in a CUDA graph. A failing launch returns
  * MOK_ERROR_CUDA with cudaGetErrorString's text in mok_last_error().
  */
 
-enum { MOK_FWD_MAX_EXPERTS = 1024, /* the layout CTA keeps per-warp bins of every expert in smem */
+enum { MOK_FWD_MAX_EXPERTS = 1024, /* a layout CTA keeps per-warp bins of every expert in smem */
        MOK_FWD_MAX_TOP_K = 64 };
 
 typedef struct {
