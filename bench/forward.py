@@ -36,7 +36,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-from gemm import git_commit, rel_err, time_ms  # noqa: E402
+from gemm import git_commit, rel_err, time_ms, with_env  # noqa: E402
 import mok  # noqa: E402
 
 MODELS = {  # name: (H, I, E, K, Is)
@@ -94,18 +94,8 @@ def run_case(model, args, gen):
     def mok_fwd():
         layer.forward(x, idx, tw, w, y, ctx, stream=stream)
 
-    def with_env(env):
-        def run():
-            os.environ.update(env)
-            try:
-                layer.forward(x, idx, tw, w, y, ctx, stream=stream)
-            finally:
-                for k in env:
-                    del os.environ[k]
-        return run
-
-    chain_fwd = with_env({"MOK_FORWARD": "chain"})
-    xg_fwd = with_env({"MOK_FUSED_GATHER": "kernel"})
+    chain_fwd = with_env(mok_fwd, {"MOK_FORWARD": "chain"})
+    xg_fwd = with_env(mok_fwd, {"MOK_FUSED_GATHER": "kernel"})
 
     def base():
         return torch_pipeline(x, idx, tw, wgu_t, wd_t, shared)
@@ -132,7 +122,7 @@ def run_case(model, args, gen):
     variants = {}
     for spec in args.variant:
         name, _, envs = spec.partition(":")
-        fn = with_env(dict(kv.split("=", 1) for kv in envs.split(",") if kv))
+        fn = with_env(mok_fwd, dict(kv.split("=", 1) for kv in envs.split(",") if kv))
         y.fill_(float("nan"))
         fn()
         layer.check()

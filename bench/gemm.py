@@ -85,6 +85,32 @@ def counts_for(routing, rows, experts, gen, align=1):
     return c
 
 
+def group_offsets(routing, rows, experts, gen, align=1):
+    """The groups' row boundaries on the device: torch's [E] ends (int32) and MoK's [E + 1]
+    offsets (int32, from 0)."""
+    ends = torch.cumsum(counts_for(routing, rows, experts, gen, align), 0)
+    offs_torch = ends.to(torch.int32).to("cuda")
+    offs_mok = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to("cuda")
+    return offs_torch, offs_mok
+
+
+def with_env(fn, env):
+    """fn run with the environment variables of env set, restored afterwards (MoK's launchers read
+    their knobs at every launch)."""
+    def run():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+    return run
+
+
 def counts_unaligned(routing, rows, experts, gen):
     if routing == "balanced":
         c = torch.full((experts,), rows // experts, dtype=torch.int64)
@@ -150,10 +176,7 @@ def run_case(lib, model, gemm, routing, args, gen):
     H, I, E = MODELS[model]
     R = T * TOPK
     dev = "cuda"
-    counts = counts_for(routing, R, E, gen)
-    ends = torch.cumsum(counts, 0)
-    offs_torch = ends.to(torch.int32).to(dev)                                # [E] ends
-    offs_mok = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(dev)
+    offs_torch, offs_mok = group_offsets(routing, R, E, gen)
     if gemm == "down":
         N, K = H, I
     elif gemm == "bwd_ds":  # dy [R, H] · Wd[e] [H, I]
@@ -199,23 +222,10 @@ def run_case(lib, model, gemm, routing, args, gen):
         if rc != 0:
             raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
 
-    def with_env(env):  # MoK in another configuration of its table, for the notes
-        def run():
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                mok()
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        del os.environ[k]
-                    else:
-                        os.environ[k] = v
-        return run
-
-    variants = {"mok_4stage_ms": with_env({"MOK_GG_STAGES": "4"}),
-                "mok_cluster2_ms": with_env({"MOK_GG_CLUSTER": "2"}),
-                "mok_direct_store_ms": with_env({"MOK_GG_TMA_STORE": "0"})}
+    # MoK in other configurations of its table, for the notes
+    variants = {"mok_4stage_ms": with_env(mok, {"MOK_GG_STAGES": "4"}),
+                "mok_cluster2_ms": with_env(mok, {"MOK_GG_CLUSTER": "2"}),
+                "mok_direct_store_ms": with_env(mok, {"MOK_GG_TMA_STORE": "0"})}
 
     # torch takes b as [E, K, N]: a transposed view of [E, N, K] weights (K-major per expert), or
     # the N-major weights themselves for the backward cases
@@ -270,10 +280,7 @@ def run_case_wgrad(lib, model, gemm, routing, args, gen):
     H, I, E = MODELS[model]
     R = T * TOPK
     dev = "cuda"
-    counts = counts_for(routing, R, E, gen)
-    ends = torch.cumsum(counts, 0)
-    offs_torch = ends.to(torch.int32).to(dev)                                # [E] ends
-    offs_mok = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(dev)
+    offs_torch, offs_mok = group_offsets(routing, R, E, gen)
     N, K = (H, I) if gemm == "wgrad_dwd" else (I, H)   # dWd: dy [R, H], a [R, I]; dWg: dg, x
     a = (torch.randn(R, N, device=dev) * 0.5).to(torch.bfloat16)             # [R, N]
     b = (torch.randn(R, K, device=dev) * 0.5).to(torch.bfloat16)             # [R, K]
@@ -297,18 +304,9 @@ def run_case_wgrad(lib, model, gemm, routing, args, gen):
         return run
     mok, mok32 = launcher(p), launcher(p32)
 
-    def mok_direct():  # bf16 output stored from registers (MOK_GG_TMA_STORE=0), for the notes
-        old = os.environ.get("MOK_GG_TMA_STORE")
-        os.environ["MOK_GG_TMA_STORE"] = "0"
-        try:
-            mok()
-        finally:
-            if old is None:
-                del os.environ["MOK_GG_TMA_STORE"]
-            else:
-                os.environ["MOK_GG_TMA_STORE"] = old
+    mok_direct = with_env(mok, {"MOK_GG_TMA_STORE": "0"})  # bf16 stored from registers
 
-    bounds = [0] + ends.tolist()
+    bounds = offs_mok.tolist()
 
     def loop():  # one torch.mm per expert (cuBLAS), written into a preallocated [E, N, K]
         for e in range(E):
@@ -389,10 +387,7 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
     H, I, E = MODELS[model]
     R = T * TOPK
     dev = "cuda"
-    counts = counts_for(routing, R, E, gen, align=16)
-    ends = torch.cumsum(counts, 0)
-    offs_torch = ends.to(torch.int32).to(dev)
-    offs_mok = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(dev)
+    offs_torch, offs_mok = group_offsets(routing, R, E, gen, align=16)
     N, K = (2 * I, H) if gemm == "gate_up" else (H, I)
     a = (torch.randn(R, K, device=dev, dtype=torch.bfloat16) * 0.5)              # [R, K]
     w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) * (K ** -0.5)     # [E, N, K]
