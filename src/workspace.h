@@ -150,6 +150,9 @@ MOK_WS_FN int64_t mok_ll_ctas(int64_t T) {
   const int64_t chunk = mok_ll_chunk(T);
   return T > 0 ? (T + chunk - 1) / chunk : 1;
 }
+/* The int32 index of `bad` in the layout region of a call split into `ctas` chunks: after the
+ * counts, rounded up to 16 bytes (`hash` follows `bad`). */
+MOK_WS_FN int64_t mok_ll_bad_index(int64_t ctas, int64_t E) { return (ctas * E + 3) & ~(int64_t)3; }
 /* Room for every T <= T_max (the chunk count is not monotonic in T: up to MOK_LL_MAX_CTAS chunks
  * of one round, then fewer, longer ones), the bad and hash arrays 16-byte aligned. */
 MOK_WS_FN size_t mok_ll_bytes(int64_t T_max, int64_t E) {

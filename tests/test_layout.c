@@ -374,7 +374,7 @@ MOK_TEST(layout_rejects_bad_arguments) {
 
 /* For every T up to 200 000 tokens: the chunks are whole rounds, at most MOK_LL_MAX_CTAS of them,
  * cover [0, T) with no empty chunk, and the layout region sized for any T_max >= T holds their
- * partials (counts [ctas, E] int32 rounded up to 16 bytes, then two u64 per chunk). */
+ * partials (counts [ctas, E] int32 up to mok_ll_bad_index, then two u64 per chunk). */
 MOK_TEST(gpu_layout_chunks_cover_the_tokens_and_fit_the_workspace) {
   const int64_t E = 7;
   int64_t most = 0; /* the largest chunk count of any T so far */
@@ -387,7 +387,7 @@ MOK_TEST(gpu_layout_chunks_cover_the_tokens_and_fit_the_workspace) {
       mok_test_fail(__FILE__, __LINE__, "T = %lld: %lld chunks of %lld tokens", (long long)T,
                     (long long)ctas, (long long)chunk);
     if (ctas > most) most = ctas;
-    const size_t need = (size_t)((most * E + 3) & ~(int64_t)3) * 4 + (size_t)most * 16;
+    const size_t need = (size_t)mok_ll_bad_index(most, E) * 4 + (size_t)most * 16;
     if (mok_ll_bytes(T, E) < need && bad++ < 5)
       mok_test_fail(__FILE__, __LINE__, "T_max = %lld: %zu bytes for %lld chunks (%zu needed)",
                     (long long)T, mok_ll_bytes(T, E), (long long)most, need);

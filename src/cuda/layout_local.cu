@@ -81,7 +81,7 @@ typedef struct {
 __device__ __forceinline__ ll_partials_t ll_partials(const mok_fwd_local_params_t &p, int64_t ctas) {
   ll_partials_t q;
   q.counts = (int32_t *)p.layout_scratch;
-  q.bad = (unsigned long long *)(q.counts + ((ctas * p.E + 3) & ~(int64_t)3));
+  q.bad = (unsigned long long *)(q.counts + mok_ll_bad_index(ctas, p.E));
   q.hash = q.bad + ctas;
   return q;
 }
