@@ -305,14 +305,7 @@ static void bwd_gpu_inputs(bwd_gpu_t *g, const bwd_problem_t *p) {
 static mokResult_t bwd_gpu_backward(bwd_gpu_t *g, const bwd_problem_t *p, int64_t T,
                                     const void *ctx, cudaStream_t stream) {
   fwd_gpu_t *F = &g->f;
-  mok_forward_args_t a;
-  memset(&a, 0, sizeof(a));
-  a.num_tokens = T;
-  a.x = T ? F->x : NULL;
-  a.topk_idx = T ? F->idx : NULL;
-  a.topk_w = T ? F->tw : NULL;
-  a.w.wg = F->wg, a.w.wu = F->wu, a.w.wd = F->wd;
-  a.w.wsg = F->wsg, a.w.wsu = F->wsu, a.w.wsd = F->wsd;
+  const mok_forward_args_t a = fwd_gpu_args(F, T);
   mok_backward_args_t b;
   memset(&b, 0, sizeof(b));
   b.dy = T ? g->dy : NULL;

@@ -177,17 +177,30 @@ static mokResult_t cpu_forward(const fwd_problem_t *p, int64_t T, const uint16_t
  * diff of one ulp of a yk near 0.5 in a y near 0.02): fwd_compare_y_slots allows exactly that.
  * The worst element is printed with its ratio to the bound.
  */
+typedef struct {
+  double atol, rtol;
+} fwd_y_bound_t;
+
+// The bound above for the n elements of ref; fwd_y_allowed(b, r) is |gpu - r|'s limit.
+static fwd_y_bound_t fwd_y_bound(const uint16_t *ref, int64_t n) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; i++) ss += (double)bf2f(ref[i]) * bf2f(ref[i]);
+  fwd_y_bound_t b;
+  b.rtol = 1.0 / 128;
+  b.atol = b.rtol * sqrt(ss / (double)(n > 0 ? n : 1));
+  return b;
+}
+static double fwd_y_allowed(fwd_y_bound_t b, double r) { return b.atol + b.rtol * fabs(r); }
+
 static int fwd_compare_y(const char *what, const uint16_t *gpu, const uint16_t *ref, int64_t T,
                          int64_t H) {
   const int64_t n = T * H;
-  double ss = 0;
-  for (int64_t i = 0; i < n; i++) ss += (double)bf2f(ref[i]) * bf2f(ref[i]);
-  const double rtol = 1.0 / 128, atol = rtol * sqrt(ss / (double)(n > 0 ? n : 1));
+  const fwd_y_bound_t yb = fwd_y_bound(ref, n);
   int64_t bad = 0, worst = -1;
   double worst_ratio = -1;
   for (int64_t i = 0; i < n; i++) {
     const double g = bf2f(gpu[i]), r = bf2f(ref[i]), d = fabs(g - r);
-    const double bound = atol + rtol * fabs(r);
+    const double bound = fwd_y_allowed(yb, r);
     if (!(d <= bound)) bad++;
     const double ratio = d <= bound && bound == 0 ? 0.0 : d / bound;  // ref all 0: d must be 0
     if (!(ratio <= worst_ratio)) {
@@ -201,7 +214,7 @@ static int fwd_compare_y(const char *what, const uint16_t *gpu, const uint16_t *
     printf("    %s: worst y[%lld][%lld]: gpu %.6g ref %.6g |diff| %.3g = %.3f of its bound "
            "(atol %.3g); %lld elements beyond\n",
            what, (long long)(worst / H), (long long)(worst % H), g, r, fabs(g - r), worst_ratio,
-           atol, (long long)bad);
+           yb.atol, (long long)bad);
   }
   return bad == 0 && worst_ratio == worst_ratio;
 }
@@ -227,13 +240,11 @@ static int fwd_compare_y_slots(const char *what, const fwd_problem_t *p, const u
                                const uint16_t *ref, int64_t S, const uint16_t *xs,
                                const int32_t *is, const float *ws) {
   const int64_t H = p->H, K = p->K, n = S * H;
-  double ss = 0;
-  for (int64_t i = 0; i < n; i++) ss += (double)bf2f(ref[i]) * bf2f(ref[i]);
-  const double rtol = 1.0 / 128, atol = rtol * sqrt(ss / (double)(n > 0 ? n : 1));
+  const fwd_y_bound_t yb = fwd_y_bound(ref, n);
   std::vector<int64_t> tokens;
   for (int64_t i = 0; i < n; i++) {
     const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
-    if (!(d <= atol + rtol * fabs(bf2f(ref[i]))) && (tokens.empty() || tokens.back() != i / H))
+    if (!(d <= fwd_y_allowed(yb, bf2f(ref[i]))) && (tokens.empty() || tokens.back() != i / H))
       tokens.push_back(i / H);
   }
   if (tokens.empty()) return fwd_compare_y(what, gpu, ref, S, H);
@@ -261,7 +272,7 @@ static int fwd_compare_y_slots(const char *what, const fwd_problem_t *p, const u
       for (int64_t k = 0; k < K; k++) allow += fwd_bf16_ulp(bf2f(yk[((int64_t)t * K + k) * H + h]));
       const int64_t i = s * H + h;
       const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
-      const double bound = atol + rtol * fabs(bf2f(ref[i]));
+      const double bound = fwd_y_allowed(yb, bf2f(ref[i]));
       if (d <= bound) continue;
       if (d <= bound + allow) {
         flips++;
@@ -343,7 +354,8 @@ static void fwd_gpu_inputs(fwd_gpu_t *g, const fwd_problem_t *p) {
   cudaDeviceSynchronize();
 }
 
-static mokResult_t fwd_gpu_forward(fwd_gpu_t *g, int64_t T, cudaStream_t stream) {
+// The forward arguments of the first T tokens of g's inputs (also the backward's).
+static mok_forward_args_t fwd_gpu_args(const fwd_gpu_t *g, int64_t T) {
   mok_forward_args_t a;
   memset(&a, 0, sizeof(a));
   a.num_tokens = T;
@@ -352,6 +364,11 @@ static mokResult_t fwd_gpu_forward(fwd_gpu_t *g, int64_t T, cudaStream_t stream)
   a.topk_w = T ? g->tw : NULL;
   a.w.wg = g->wg, a.w.wu = g->wu, a.w.wd = g->wd;
   a.w.wsg = g->wsg, a.w.wsu = g->wsu, a.w.wsd = g->wsd;
+  return a;
+}
+
+static mokResult_t fwd_gpu_forward(fwd_gpu_t *g, int64_t T, cudaStream_t stream) {
+  const mok_forward_args_t a = fwd_gpu_args(g, T);
   return mok_forward(g->l, &a, T ? g->y : NULL, g->ctx, (mok_stream_t)stream);
 }
 
