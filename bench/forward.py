@@ -20,7 +20,12 @@ CUDA events after warm-up (median). FLOPs: 6 T K H I + 6 T H Is. Appends one JSO
 to --jsonl (default bench/results/forward.jsonl).
 
     python3 bench/forward.py [--commit SHA] [--cases substring] [--reps 20]
-                             [--variant NAME:VAR=VALUE ...]
+                             [--variant NAME:VAR=VALUE ...] [--profile]
+
+--profile also prints the device time of every kernel of the fused forward and of the chain
+(torch.profiler, mean of a few launches), and the fused kernel's task trace (MOK_FUSED_TRACE):
+how much of the CTAs' time went to each task kind's mainloops and epilogues, to waiting, and to
+the tail.
 
 --variant times the fused forward again under other environment knobs (variant_NAME_ms), after
 checking that its y is the chain's bits too.
@@ -66,6 +71,76 @@ def torch_pipeline(x, idx, tw, wgu_t, wd_t, shared):
         as_ = (F.silu((x @ wsg.t()).float()) * (x @ wsu.t()).float()).bfloat16()
         y += (as_ @ wsd.t()).float()
     return y.bfloat16()
+
+
+def kernel_times(fn, iters=3):
+    """[(kernel name, mean device ms per call)] of fn's kernels in launch order, by torch.profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total, order = {}, []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if ev.name not in total:
+            order.append(ev.name)
+            total[ev.name] = 0.0
+        total[ev.name] += ev.time_range.elapsed_us() / 1e3 / iters
+    return [(name, total[name]) for name in order]
+
+
+def print_kernel_times(model, label, fn):
+    rows = kernel_times(fn)
+    print(f"{model} {label}: {sum(t for _, t in rows):.3f} ms of kernels")
+    for name, t in rows:
+        print(f"    {t:8.3f} ms  {name[:100]}")
+
+
+TRACE_PER_CTA, TRACE_FIELDS = 2048, 4  # src/cuda/forward_fused.cu: FK_TRACE_*
+TASK_KINDS = ("SHARED_GATE_UP", "GATE_UP", "DOWN", "SHARED_DOWN", "REDUCE")  # src/task_plan.h
+
+
+def print_fused_trace(model, fn):
+    """Runs fn (a fused forward) once with the kernel's task trace on and prints where each CTA's
+    time went: per task kind its mainloops and epilogues, the idle time before its tasks (a
+    consumer waiting for its first stage: dependencies and loads), and the idle tail."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    buf = torch.zeros(sms * TRACE_PER_CTA * TRACE_FIELDS, dtype=torch.int64, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    with_env(fn, {"MOK_FUSED_TRACE": hex(buf.data_ptr())})()
+    end.record()
+    torch.cuda.synchronize()
+    rec = buf.view(sms, TRACE_PER_CTA, TRACE_FIELDS).cpu().tolist()
+    ctas = [[r for r in cta if r[1] > 0] for cta in rec]
+    ctas = [c for c in ctas if c]
+    t0 = min(c[0][1] for c in ctas)
+    t1 = max(c[-1][3] for c in ctas)
+    span = (t1 - t0) / 1e3
+    stats = {k: [0, 0.0, 0.0, 0.0] for k in TASK_KINDS}  # tasks, mainloop, epilogue, idle before
+    tail = 0.0
+    for c in ctas:
+        prev_end = t0
+        for r in c:
+            st = stats[TASK_KINDS[r[0] >> 56]]
+            st[0] += 1
+            st[1] += (r[2] - r[1]) / 1e3
+            st[2] += (r[3] - r[2]) / 1e3
+            st[3] += (r[1] - prev_end) / 1e3
+            prev_end = r[3]
+        tail += (t1 - prev_end) / 1e3
+    total = span * len(ctas)
+    print(f"{model} fused trace: {len(ctas)} CTAs, {span / 1e3:.3f} ms from the first task to the "
+          f"last of a {start.elapsed_time(end):.3f} ms forward; per kind: tasks, mean mainloop + "
+          f"epilogue us, share of CTA time (mainloop / epilogue / idle before)")
+    for k, (n, ml, ep, idle) in stats.items():
+        if n:
+            print(f"    {k:15s} {n:6d}  {ml / n:8.1f} + {ep / n:6.1f} us   {100 * ml / total:5.1f}% "
+                  f"/ {100 * ep / total:4.1f}% / {100 * idle / total:4.1f}%")
+    print(f"    idle after the CTA's last task: {100 * tail / total:.1f}%")
 
 
 def run_case(model, args, gen):
@@ -135,6 +210,10 @@ def run_case(model, args, gen):
     mok_ms, chain_ms, xg_ms, base_ms = times[:4]
     row.update(zip(variants, times[4:]))
     layer.check()
+    if args.profile:
+        for label, fn in (("fused", mok_fwd), ("chain", chain_fwd), ("pipeline", base)):
+            print_kernel_times(model, label, fn)
+        print_fused_trace(model, mok_fwd)
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9,
@@ -204,6 +283,8 @@ def main():
                     help="alternate the timed functions this many times (reps / rounds each)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="also time the fused forward with these environment knobs (same bits)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the device time of each kernel of the fused forward and the chain")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []

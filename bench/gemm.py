@@ -33,7 +33,8 @@ import sys
 
 import torch
 
-variants_names = ("mok_4stage_ms", "mok_cluster2_ms", "mok_direct_store_ms")
+variants_names = ("mok_4stage_ms", "mok_cluster2_ms", "mok_direct_store_ms", "mok_band8_ms",
+                  "mok_band0_ms")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,7 +226,9 @@ def run_case(lib, model, gemm, routing, args, gen):
     # MoK in other configurations of its table, for the notes
     variants = {"mok_4stage_ms": with_env(mok, {"MOK_GG_STAGES": "4"}),
                 "mok_cluster2_ms": with_env(mok, {"MOK_GG_CLUSTER": "2"}),
-                "mok_direct_store_ms": with_env(mok, {"MOK_GG_TMA_STORE": "0"})}
+                "mok_direct_store_ms": with_env(mok, {"MOK_GG_TMA_STORE": "0"}),
+                "mok_band8_ms": with_env(mok, {"MOK_TILE_GROUP": "8"}),
+                "mok_band0_ms": with_env(mok, {"MOK_TILE_GROUP": "0"})}
 
     # torch takes b as [E, K, N]: a transposed view of [E, N, K] weights (K-major per expert), or
     # the N-major weights themselves for the backward cases

@@ -16,7 +16,13 @@
  * by DOWN tiles of expert s - L (s >= L), then SHARED_DOWN, then REDUCE. The lag L >= 1 (field
  * `lag`) keeps a DOWN tile a few hundred tasks behind the GATE_UP tiles it reads, so that with a
  * grid of ~132 CTAs they have finished by the time it is taken instead of running beside it.
- * Within a (kind, expert) block tiles go row tile by row tile, column tiles inner.
+ * Within a (kind, expert) block the tiles go in groups of `group_m` row tiles (all of them when
+ * group_m = 0): column tile by column tile within a group, its row tiles inner (mok_plan_tile).
+ * Consecutive tasks then share a weight tile (B), which the CTAs that take them stream through
+ * L2 in step, while the group's few row tiles (A) stay in L2 across its column tiles; row tile by
+ * row tile instead, the tiles that share a weight tile are a whole row of column tiles apart, and
+ * the weights of an expert larger than L2 (DeepSeek-V3: 58 MB of gate and up) come from HBM
+ * about twice.
  *
  * Dependencies, each a counter that producers add 1 to (release) and the consumer waits on
  * (acquire) until it reaches its target:
@@ -72,9 +78,24 @@ typedef struct {
   int32_t t_tiles;        /* token tiles = reduce blocks: ceil(T / BM) */
   const int32_t *mt_pre;  /* [E + 1] prefix sums of row tiles per expert: ceil(rows_e / BM) */
   int32_t lag;            /* expert stages from an expert's GATE_UP tiles to its DOWN tiles; 0 = 1 */
+  int32_t group_m;        /* row tiles per group of a block (see above); 0 = row tile by row tile */
 } mok_task_plan_t;
 
 MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
+
+/* Tile r of a block of mt row tiles x nt column tiles, in the order described above. */
+MOK_HD void mok_plan_tile(const mok_task_plan_t *p, int64_t r, int32_t mt, int32_t nt,
+                          mok_task_t *t) {
+  if (p->group_m <= 0) {
+    t->m = (int32_t)(r / nt), t->n = (int32_t)(r % nt);
+    return;
+  }
+  const int64_t per_group = (int64_t)p->group_m * nt;
+  const int32_t g0 = (int32_t)(r / per_group) * p->group_m;           /* first row tile of the group */
+  const int32_t gm = mt - g0 < p->group_m ? mt - g0 : p->group_m;     /* row tiles in the group */
+  const int64_t local = r % per_group;
+  t->n = (int32_t)(local / gm), t->m = g0 + (int32_t)(local % gm);
+}
 
 /* Tasks before the first expert stage. */
 MOK_HD int64_t mok_plan_sgu_count(const mok_task_plan_t *p) {
@@ -100,7 +121,7 @@ MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
   const int64_t sgu = mok_plan_sgu_count(p);
   if (i < sgu) {
     t.kind = MOK_TASK_SHARED_GATE_UP;
-    t.m = (int32_t)(i / p->n_sgu), t.n = (int32_t)(i % p->n_sgu);
+    mok_plan_tile(p, i, p->t_tiles, p->n_sgu, &t);
     return t;
   }
   const int64_t experts_end = mok_plan_num_tasks(p) - (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd - p->t_tiles;
@@ -113,14 +134,15 @@ MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
     }
     const int32_t s = lo;
     int64_t r = i - mok_plan_stage_start(p, s);
-    const int64_t gu = s < p->E ? (int64_t)(p->mt_pre[s + 1] - p->mt_pre[s]) * p->n_gu : 0;
+    const int32_t mt = s < p->E ? p->mt_pre[s + 1] - p->mt_pre[s] : 0;
+    const int64_t gu = (int64_t)mt * p->n_gu;
     if (r < gu) {
       t.kind = MOK_TASK_GATE_UP, t.expert = s;
-      t.m = (int32_t)(r / p->n_gu), t.n = (int32_t)(r % p->n_gu);
+      mok_plan_tile(p, r, mt, p->n_gu, &t);
     } else {
       r -= gu;
       t.kind = MOK_TASK_DOWN, t.expert = s - mok_plan_lag(p);
-      t.m = (int32_t)(r / p->n_down), t.n = (int32_t)(r % p->n_down);
+      mok_plan_tile(p, r, p->mt_pre[t.expert + 1] - p->mt_pre[t.expert], p->n_down, &t);
     }
     return t;
   }
@@ -128,7 +150,7 @@ MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
   const int64_t sd = (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd;
   if (r < sd) {
     t.kind = MOK_TASK_SHARED_DOWN;
-    t.m = (int32_t)(r / p->n_sd), t.n = (int32_t)(r % p->n_sd);
+    mok_plan_tile(p, r, p->t_tiles, p->n_sd, &t);
     return t;
   }
   t.m = (int32_t)(r - sd);

@@ -75,7 +75,7 @@ static int problem_init(problem_t *pb, uint64_t seed, int64_t T, int32_t E, int6
   if (!ok) return 0;
   pb->T = T, pb->K = K;
   for (int32_t e = 0; e < E; e++) pb->mt_pre[e + 1] = pb->mt_pre[e] + (int32_t)((pb->lay.expert_rows[e] + BM - 1) / BM);
-  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1};
+  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0};
   pb->down_target = calloc((size_t)pb->plan.t_tiles + 1, sizeof(int64_t));
   for (int32_t e = 0; e < E; e++)
     for (int32_t m = 0; m < pb->mt_pre[e + 1] - pb->mt_pre[e]; m++) for_each_block(pb, e, m, add_target, pb);
@@ -204,11 +204,12 @@ static int simulate(const problem_t *pb, const int64_t *order, int G, int ticket
 /* ---- tests ------------------------------------------------------------------------------------ */
 
 MOK_TEST(task_plan_enumerates_every_task_once) {
-  for (int variant = 0; variant < 8; variant++) {
+  for (int variant = 0; variant < 32; variant++) {
     const int shared = variant & 1;
     problem_t pb;
     MOK_REQUIRE(problem_init(&pb, 11 + shared, 37, 6, 2, shared, 3, 2));
-    pb.plan.lag = variant / 2;  /* 0 (= 1), 1, 2, 3: with E = 6 */
+    pb.plan.lag = (variant / 2) % 4;   /* 0 (= 1), 1, 2, 3: with E = 6 */
+    pb.plan.group_m = variant / 8;     /* 0 (row tile by row tile), 1, 2, 3 */
     const mok_task_plan_t *p = &pb.plan;
     const int64_t n = mok_plan_num_tasks(p);
     unsigned char *seen = calloc((size_t)key_space(p), 1);
@@ -223,6 +224,20 @@ MOK_TEST(task_plan_enumerates_every_task_once) {
       order_ok &= rank >= prev_kind_rank;
       prev_kind_rank = rank;
     }
+    /* groups: within a block, the next tile is the next row tile of the group at the same column
+     * tile, or the group's first row tile at the next column tile, or the next group's first */
+    int64_t group_breaks = 0;
+    const int G = p->group_m;
+    for (int64_t i = 0; G > 0 && i + 1 < n; i++) {
+      const mok_task_t a = mok_plan_task(p, i), b = mok_plan_task(p, i + 1);
+      if (a.kind != b.kind || a.expert != b.expert || a.kind == MOK_TASK_REDUCE) continue;
+      const int32_t g0 = a.m / G * G;
+      const int ok = (b.n == a.n && b.m == a.m + 1 && b.m % G != 0) ||
+                     (b.n == a.n + 1 && b.m == g0) || (b.n == 0 && b.m == a.m + 1 && b.m % G == 0);
+      group_breaks += !ok;
+    }
+    MOK_EXPECT_MSG(group_breaks == 0, "group_m %d: %lld steps out of the group order", G,
+                   (long long)group_breaks);
     const int64_t tiles = p->mt_pre[p->E];
     MOK_EXPECT(dup == 0 && order_ok);
     MOK_EXPECT(count[MOK_TASK_GATE_UP] == tiles * p->n_gu && count[MOK_TASK_DOWN] == tiles * p->n_down);
@@ -254,6 +269,7 @@ MOK_TEST(task_plan_never_deadlocks_under_adversarial_schedules) {
     const int64_t T = 1 + (int64_t)(seed * 13 % 50), K = 1 + (int64_t)(seed % 3);
     MOK_REQUIRE(problem_init(&pb, seed, T, 5, K, (int)(seed & 1), 2, 3));
     pb.plan.lag = 1 + (int32_t)(seed % 3); /* 1, 2, 3; 5 experts */
+    pb.plan.group_m = (int32_t)(seed / 2) % 3; /* 0, 1, 2 */
     const int64_t n = mok_plan_num_tasks(&pb.plan);
     int64_t *identity = malloc(sizeof(int64_t) * (size_t)n);
     for (int64_t i = 0; i < n; i++) identity[i] = i;

@@ -64,17 +64,20 @@
 #endif
 
 enum { FK_BM = MOK_FC_TILE_M, FK_BN = 256, FK_STAGES = 4 };
-// DOWN tiles, and GATE_UP's saved g and u, are stored through shared memory and TMA (STAGED = 1:
-// a [64, 128] bf16 staging buffer per consumer warpgroup, two rounds per tile) when the E + 1
-// row-tile prefix sums still fit next to it; else from registers (STAGED = 0). The ring is the
-// same either way.
-enum { FK_C_BYTES = 2 * 64 * 128 * 2 };
-typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 0> fk_plan;
+// The kernel's configurations (STAGED). DOWN tiles and (SHARED_)GATE_UP's a, g and u are stored
+// through shared memory and TMA (STAGED = 1: a [64, 128] bf16 staging buffer per consumer
+// warpgroup, each round of 128 columns waiting until the copy engine has read the previous one)
+// when the E + 1 row-tile prefix sums still fit next to it; else from registers (STAGED = 0).
+// The ring is the same either way.
+// NOTE: 3 stages and two staging buffers per warpgroup (so that consecutive rounds alternate)
+// measured 4-7% slower at all three benchmark shapes.
 template <int STAGED>
-struct fk_smem {
-  typedef tp_plan<FK_BM, FK_BN, FK_STAGES, STAGED ? FK_C_BYTES : 0> P;
+struct fk_cfg {
+  static constexpr int WG_C_BYTES = STAGED * 64 * 128 * 2;  // per consumer warpgroup
+  typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 2 * WG_C_BYTES> P;
   static size_t bytes(int64_t E) { return P::ALLOC_BYTES + (size_t)(E + 1) * 4; }  // + s_pre
 };
+typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 0> fk_plan;
 static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)");
 
 // Every producer thread arrives on a full barrier once per stage (GATE_UP: its cp.async arrival;
@@ -96,15 +99,29 @@ typedef struct {
   CUtensorMap wsg, wsu; // [Is, H]
   CUtensorMap wsd;      // [H, Is]
   CUtensorMap yk;       // [R, H], box [64, 64]: DOWN's staged stores
-  CUtensorMap g, u;     // [R, I], box [64, 64]: GATE_UP's staged stores of g and u (gu_staged)
+  CUtensorMap g, u;     // [R, I], box [64, 64]: GATE_UP's staged stores of g and u
+  CUtensorMap a_st;     // [R, I], box [64, 64]: GATE_UP's staged stores of a
+  CUtensorMap as_st;    // [T, Is], box [64, 64]: SHARED_GATE_UP's staged stores of as, gs, us
+  CUtensorMap gs, us;
 } fk_maps_t;
+
+// Task trace (MOK_FUSED_TRACE=<device address>, a tuning aid): consumer warpgroup 0 of each CTA
+// writes one record of FK_TRACE_FIELDS words per task it runs, at trace + (CTA x FK_TRACE_PER_CTA
+// + n) x FK_TRACE_FIELDS: (kind << 56 | task number, %globaltimer when its first stage is ready,
+// when its mainloop ends, when its epilogue and release end). Records past FK_TRACE_PER_CTA are
+// dropped. The caller provides grid x FK_TRACE_PER_CTA x FK_TRACE_FIELDS zeroed words.
+#define FK_TRACE_PER_CTA 2048
+#define FK_TRACE_FIELDS 4
 
 typedef struct {
   mok_fwd_fused_params_t f;
+  uint64_t *trace;      // NULL: no trace
   uint64_t timeout_ns;
   uint32_t sgu_base;    // counter index of SGU[0]
   int32_t lag;          // the plan's lag (fk_lag)
+  int32_t group_m;      // the plan's row-tile groups (src/task_plan.h)
   int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
+  int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -281,18 +298,19 @@ __device__ __forceinline__ void fk_skip(tp_ring_t *ring, uint64_t *empty) {
 }
 
 // Consumer warpgroup cw adds `count` to counter `c` once all 128 threads' stores are done.
-// BULK = 1: some stores went through the async proxy (TMA bulk stores, issued by thread lt 0),
-// which that thread waits for and fences against the generic release.
+// PENDING >= 0: some stores went through the async proxy (TMA bulk stores, issued by thread lt 0),
+// which that thread waits for, all but its PENDING most recent bulk groups (those hold data that
+// no waiter of `c` reads), and fences against the generic release.
 // NOTE: bar.sync counts whole warps, so each warp reconverges first (the stores branch per lane);
 // likewise after the one-lane release, before the next tile's wgmma (.aligned).
-template <int BULK>
+template <int PENDING>
 __device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t count, int cw,
                                            int lt) {
   __syncwarp();
   ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
   if (lt == 0) {
-    if (BULK) {
-      ptx_bulk_wait_group_all();
+    if (PENDING >= 0) {
+      ptx_bulk_wait_group<PENDING < 0 ? 0 : PENDING>();
       ptx_fence_proxy_async_global();
     }
     __threadfence();
@@ -311,36 +329,58 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_
                                             uint8_t *stage_c, int cw, int lt) {
   const mok_fwd_fused_params_t &f = p.f;
   const epi_coords_t e = epi_coords(d.row0, d.row_end, d.n0, d.n, d.n, cw);
+  const int bar = FK_BAR_WG + 1 + cw;
   if (d.kind == MOK_TASK_DOWN) {
     const int64_t row0 = d.row0 + 64 * cw;
     if (STAGED && row0 + 64 <= d.row_end) {  // all 64 rows in the expert: 2 rounds of 128 columns
-      epi_store_staged_bf16<0, 1>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, FK_BAR_WG + 1 + cw, lt);
-      epi_store_staged_bf16<1, 1>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, FK_BAR_WG + 1 + cw, lt);
+      epi_store_staged_bf16<0, 0>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, bar, lt);
+      epi_store_staged_bf16<1, 0>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, bar, lt);
     } else {
       epi_store_bf16<128>(acc, (__nv_bfloat16 *)f.l.yk, e);
     }
     return;
   }
-  if (d.kind == MOK_TASK_GATE_UP) {
+  if (d.kind == MOK_TASK_GATE_UP || d.kind == MOK_TASK_SHARED_GATE_UP) {
+    const bool sh = d.kind == MOK_TASK_SHARED_GATE_UP;
+    __nv_bfloat16 *a_out = (__nv_bfloat16 *)(sh ? f.as : f.a);
+    __nv_bfloat16 *g_out = (__nv_bfloat16 *)(sh ? f.gs_out : f.g_out);
+    __nv_bfloat16 *u_out = (__nv_bfloat16 *)(sh ? f.us_out : f.u_out);
     const int64_t row0 = d.row0 + 64 * cw;
-    if (STAGED && p.gu_staged && f.g_out && row0 + 64 <= d.row_end) {
-      // g and u are only saved for the backward: they go through the staging buffer and drain
-      // while the next tile computes. a is stored from registers, since the release below (which
-      // DOWN waits for) would otherwise wait for the bulk stores.
-      const int bar = FK_BAR_WG + 1 + cw;
-      epi_store_staged_chunks<0, 1>(acc, stage_c, &m.g, d.n0, d.n, (int)row0, bar, lt);
-      epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.a, NULL, NULL, w, e);
-      epi_store_staged_chunks<16, 1>(acc, stage_c, &m.u, d.n0, d.n, (int)row0, bar, lt);
-    } else {
-      epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.a, (__nv_bfloat16 *)f.g_out,
-                            (__nv_bfloat16 *)f.u_out, w, e);
+    if (STAGED && p.a_staged && row0 + 64 <= d.row_end) {
+      // a first: the release below (which DOWN waits for) waits only for its bulk group, while g
+      // and u (only the backward reads them) drain under the next tile.
+      epi_store_staged<0, 1, 0>(acc, stage_c, sh ? &m.as_st : &m.a_st, w, d.n0, d.n, (int)row0,
+                                bar, lt);
+      if (g_out && u_out) {
+        epi_store_staged<0, 0, 0>(acc, stage_c, sh ? &m.gs : &m.g, w, d.n0, d.n, (int)row0, bar,
+                                  lt);
+        epi_store_staged<16, 0, 0>(acc, stage_c, sh ? &m.us : &m.u, w, d.n0, d.n, (int)row0, bar,
+                                   lt);
+        fk_release<2>(p, d.done, 1u, cw, lt);
+      } else {
+        fk_release<0>(p, d.done, 1u, cw, lt);
+      }
+      return;
     }
-  } else if (d.kind == MOK_TASK_SHARED_GATE_UP)
-    epi_store_swiglu<128>(acc, (__nv_bfloat16 *)f.as, (__nv_bfloat16 *)f.gs_out,
-                          (__nv_bfloat16 *)f.us_out, w, e);
-  else
+    if (STAGED && !sh && p.gu_staged && g_out && u_out && row0 + 64 <= d.row_end) {
+      // MOK_FUSED_A_STAGED=0: g and u through the staging buffer, a from registers.
+      epi_store_staged<0, 0, 0>(acc, stage_c, &m.g, w, d.n0, d.n, (int)row0, bar, lt);
+      epi_store_swiglu<128>(acc, a_out, NULL, NULL, w, e);
+      epi_store_staged<16, 0, 0>(acc, stage_c, &m.u, w, d.n0, d.n, (int)row0, bar, lt);
+    } else {
+      epi_store_swiglu<128>(acc, a_out, g_out, u_out, w, e);
+    }
+  } else {
     epi_store_f32<128, false>(acc, (float *)f.l.ys, e);
-  fk_release<0>(p, d.done, 1u, cw, lt);
+  }
+  fk_release<-1>(p, d.done, 1u, cw, lt);
+}
+
+// Consumer warpgroup 0, thread 0: field `f` of this CTA's trace record n (when tracing). Each
+// value is stored at once, so no timestamp stays in a register across the mainloop.
+__device__ __forceinline__ void fk_trace(const fk_params_t &p, uint32_t n, int f, uint64_t v) {
+  if (p.trace && n < FK_TRACE_PER_CTA)
+    p.trace[((size_t)blockIdx.x * FK_TRACE_PER_CTA + n) * FK_TRACE_FIELDS + f] = v;
 }
 
 // REDUCE(b) for warpgroup wg (all three take part: the producer has no loads left by then):
@@ -370,9 +410,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   if (*(volatile int32_t *)l.status == 0) return;  // invalid routing: the call computes nothing
   extern __shared__ uint8_t smem_raw[];
   uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-  uint64_t *full = (uint64_t *)(smem + fk_smem<STAGED>::P::FULL_OFFSET);
-  uint64_t *empty = (uint64_t *)(smem + fk_smem<STAGED>::P::EMPTY_OFFSET);
-  typedef typename fk_smem<STAGED>::P P;
+  uint64_t *full = (uint64_t *)(smem + fk_cfg<STAGED>::P::FULL_OFFSET);
+  uint64_t *empty = (uint64_t *)(smem + fk_cfg<STAGED>::P::EMPTY_OFFSET);
+  typedef typename fk_cfg<STAGED>::P P;
   // offsets: read through the read-only cache (written by the layout kernel, before this launch)
   const int32_t *s_off = l.offsets;
   int32_t *s_pre = (int32_t *)(smem + P::BYTES);  // [E + 1]
@@ -402,6 +442,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     q.t_tiles = (int32_t)((l.T + FK_BM - 1) / FK_BM);
     q.mt_pre = s_pre;
     q.lag = p.lag;
+    q.group_m = p.group_m;
     s_plan = q;
     s_num_tasks = mok_plan_num_tasks(&q);
   }
@@ -424,6 +465,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     // warpgroup meets to read it (every thread needs it for GATE_UP's rows and the ring), and the
     // consumers learn it from the tag of its first stage. The tasks in flight are thus always a
     // window of about one task per CTA, which keeps the tiles that share weights together in L2.
+    // NOTE: the ticket is taken only when the producer is free for the task. Taken earlier (tried:
+    // at the start of the previous task), the CTAs start their tasks at less predictable times
+    // after taking them, and the tiles that share a weight block drift apart in their K loops:
+    // DeepSeek-V3 was 17% slower.
     for (int64_t k = 0;; k++) {
       if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(l.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
@@ -449,8 +494,11 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
     const int cw = wg - 1;
-    uint8_t *stage_c = smem + P::C_OFFSET + cw * (FK_C_BYTES / 2);  // STAGED only
+    uint8_t *stage_c = smem + P::C_OFFSET + cw * fk_cfg<STAGED>::WG_C_BYTES;  // STAGED only
     uint32_t down_tiles = 0;
+    const bool tracer = cw == 0 && lt == 0;
+    __shared__ uint32_t s_trace_n;  // records written by this CTA's tracer
+    if (tracer) s_trace_n = 0;
     int64_t i;
     {
       float acc[128];  // dead after this loop (REDUCE tasks come last): REDUCE gets the registers
@@ -459,26 +507,40 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         if (i < 0) break;
         const mok_task_t t = mok_plan_task(&plan, i);
         if (t.kind == MOK_TASK_REDUCE) break;
+        if (tracer) {
+          fk_trace(p, s_trace_n, 0, (uint64_t)t.kind << 56 | (uint64_t)i);
+          fk_trace(p, s_trace_n, 1, ptx_globaltimer_ns());
+        }
         // Only what the mainloop needs is computed before it (the 128 accumulators leave few
         // registers); the rest of the tile's description after.
+        const bool routed = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_DOWN;
+        const int64_t row0 = (routed ? s_off[t.expert] : 0) + (int64_t)FK_BM * t.m;
+        const int64_t row_end = routed ? s_off[t.expert + 1] : l.T;
         float2 w = make_float2(1.0f, 1.0f);
-        if (t.kind == MOK_TASK_GATE_UP) {  // loaded before the mainloop: latency hides behind it
-          const int64_t row0 = s_off[t.expert] + (int64_t)FK_BM * t.m;
-          w = epi_row_scales(l.row_w, epi_coords(row0, s_off[t.expert + 1], 0, 0, 0, cw));
-        }
+        if (t.kind == MOK_TASK_GATE_UP)  // loaded before the mainloop: latency hides behind it
+          w = epi_row_scales(l.row_w, epi_coords(row0, row_end, 0, 0, 0, cw));
         const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? l.H
                           : t.kind == MOK_TASK_DOWN                                     ? p.f.I
                                                                                         : l.Is;
-        tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0, ORDERED>(&ring, smem, full, empty,
-                                                                     (int)(k / 64), cw, acc);
+        tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0, ORDERED>(
+            &ring, smem, full, empty, (int)(k / 64), cw, row0 + 64 * cw >= row_end, acc);
+        if (tracer) fk_trace(p, s_trace_n, 2, ptx_globaltimer_ns());
         fk_epilogue<STAGED>(p, m, fk_describe(p, m, plan, s_off, t), acc, w, stage_c, cw, lt);
         down_tiles += t.kind == MOK_TASK_DOWN;
+        if (tracer) fk_trace(p, s_trace_n++, 3, ptx_globaltimer_ns());
       }
     }
-    fk_release<STAGED>(p, MOK_FC_DOWN, down_tiles, cw, lt);  // before any REDUCE waits for it
+    fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, down_tiles, cw, lt);  // before REDUCE waits
     while (i >= 0) {  // REDUCE tasks until the end tag
+      if (tracer) {
+        const uint64_t now = ptx_globaltimer_ns();
+        fk_trace(p, s_trace_n, 0, (uint64_t)MOK_TASK_REDUCE << 56 | (uint64_t)i);
+        fk_trace(p, s_trace_n, 1, now);
+        fk_trace(p, s_trace_n, 2, now);
+      }
       fk_skip(&ring, empty);
       fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
+      if (tracer) fk_trace(p, s_trace_n++, 3, ptx_globaltimer_ns());
       i = fk_peek(&ring, full, s_tag);
     }
     fk_skip(&ring, empty);
@@ -540,6 +602,8 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   const double timeout_s = p->timeout_s > 0 ? p->timeout_s : 10.0;
   kp.timeout_ns = (uint64_t)(timeout_s * 1e9);
   kp.sgu_base = (uint32_t)mok_fc_sgu(R, E);
+  const char *tr = getenv("MOK_FUSED_TRACE");  // a device address (tuning aid, see FK_TRACE_*)
+  kp.trace = tr && tr[0] ? (uint64_t *)(uintptr_t)strtoull(tr, NULL, 0) : NULL;
 
   fk_maps_t m;
   const int bad =
@@ -550,41 +614,57 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
       tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)R, (uint64_t)I, 128) ||
       tma_encode_bf16_sw128(&m.wd, p->wd, (uint64_t)(E * H), (uint64_t)I, 128) ||
       tma_encode_bf16_sw128(&m.yk, l->yk, (uint64_t)R, (uint64_t)H, 64) ||
+      tma_encode_bf16_sw128(&m.a_st, p->a, (uint64_t)R, (uint64_t)I, 64) ||
       (p->g_out && p->u_out &&
        (tma_encode_bf16_sw128(&m.g, p->g_out, (uint64_t)R, (uint64_t)I, 64) ||
         tma_encode_bf16_sw128(&m.u, p->u_out, (uint64_t)R, (uint64_t)I, 64))) ||
       (shared && (tma_encode_bf16_sw128(&m.as, p->as, (uint64_t)T, (uint64_t)Is, 128) ||
                   tma_encode_bf16_sw128(&m.wsg, p->wsg, (uint64_t)Is, (uint64_t)H, 128) ||
                   tma_encode_bf16_sw128(&m.wsu, p->wsu, (uint64_t)Is, (uint64_t)H, 128) ||
-                  tma_encode_bf16_sw128(&m.wsd, p->wsd, (uint64_t)H, (uint64_t)Is, 128)));
+                  tma_encode_bf16_sw128(&m.wsd, p->wsd, (uint64_t)H, (uint64_t)Is, 128) ||
+                  tma_encode_bf16_sw128(&m.as_st, p->as, (uint64_t)T, (uint64_t)Is, 64))) ||
+      (shared && p->gs_out && p->us_out &&
+       (tma_encode_bf16_sw128(&m.gs, p->gs_out, (uint64_t)T, (uint64_t)Is, 64) ||
+        tma_encode_bf16_sw128(&m.us, p->us_out, (uint64_t)T, (uint64_t)Is, 64)));
   if (bad)
     return mok_fail(NULL, MOK_ERROR_CUDA, "fused forward launch: encoding a TMA tensor map failed "
                     "(no CUDA driver with cuTensorMapEncodeTiled?)");
   if (!shared) m.as = m.wsg = m.wsu = m.wsd = m.x;  // never read
+  if (!shared) m.as_st = m.yk;                         // never written
+  if (!(shared && p->gs_out && p->us_out)) m.gs = m.us = m.yk;
   if (!l->xg) m.xg = m.x;
   if (!(p->g_out && p->u_out)) m.g = m.u = m.yk;  // never written
   // g and u through the staging buffer (STAGED kernels) unless MOK_FUSED_GU_STAGED=0.
   const char *gs = getenv("MOK_FUSED_GU_STAGED");
   kp.gu_staged = p->g_out && p->u_out && !(gs && gs[0] == '0');
+  // a too (and the shared expert's as, gs, us), unless MOK_FUSED_A_STAGED=0 or
+  // MOK_FUSED_GU_STAGED=0.
+  const char *as_env = getenv("MOK_FUSED_A_STAGED");
+  kp.a_staged = !(gs && gs[0] == '0') && !(as_env && as_env[0] == '0');
 
   int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  // Staged DOWN stores when their buffers fit (E up to about 480), unless MOK_FUSED_STAGED=0.
-  cudaFuncAttributes fa;
-  memset(&fa, 0, sizeof(fa));
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fk_forward_kernel<1, 0>);
+  // Staged stores (fk_cfg) when their buffers fit (E up to about 480), unless MOK_FUSED_STAGED=0.
   const char *st = getenv("MOK_FUSED_STAGED");
-  const int staged = !(st && st[0] == '0') && fk_smem<1>::bytes(E) + fa.sharedSizeBytes <= (size_t)optin;
+  int staged = st && st[0] == '0' ? 0 : 1;
   // The consumer warpgroups issue each stage in turns (tile_pipeline.cuh) when MOK_FUSED_ORDER=1.
   const char *oe = getenv("MOK_FUSED_ORDER");
   const int ordered = oe && oe[0] == '1';
-  void (*kernel)(fk_params_t, fk_maps_t) =
-      staged ? (ordered ? fk_forward_kernel<1, 1> : fk_forward_kernel<1, 0>)
-             : (ordered ? fk_forward_kernel<0, 1> : fk_forward_kernel<0, 0>);
-  const size_t smem = staged ? fk_smem<1>::bytes(E) : fk_smem<0>::bytes(E);
+  void (*const kernels[2][2])(fk_params_t, fk_maps_t) = {
+      {fk_forward_kernel<0, 0>, fk_forward_kernel<0, 1>},
+      {fk_forward_kernel<1, 0>, fk_forward_kernel<1, 1>}};
+  const size_t bytes[2] = {fk_cfg<0>::bytes(E), fk_cfg<1>::bytes(E)};
+  cudaFuncAttributes fa;
+  for (; e == cudaSuccess && staged > 0; staged--) {
+    memset(&fa, 0, sizeof(fa));
+    e = cudaFuncGetAttributes(&fa, kernels[staged][ordered]);
+    if (e == cudaSuccess && bytes[staged] + fa.sharedSizeBytes <= (size_t)optin) break;
+  }
+  void (*kernel)(fk_params_t, fk_maps_t) = kernels[staged][ordered];
+  const size_t smem = bytes[staged];
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e == cudaSuccess)
@@ -598,6 +678,8 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   const int resident = sms * per_sm;
   const int grid = p->num_sms > 0 && p->num_sms < resident ? p->num_sms : resident;
   kp.lag = fk_lag(p, grid);
+  // Row tiles per group of the plan's blocks: by the size of an expert's gate and up weights.
+  kp.group_m = mok_tile_group_m(2 * I * H * 2);
 
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));

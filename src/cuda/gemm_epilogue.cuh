@@ -198,24 +198,31 @@ __device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const
   }
 }
 
-// Staged bf16 store of 128 columns of a consumer warpgroup's [64, 256] accumulator, column
-// chunks [J0, J0 + 16) of the fragment: registers -> swizzled staging [2 chunks][64 rows][128 B]
-// (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of the map; chunks at or past
-// column n are skipped (TMA clips the rest at the map's bounds).
+// Staged bf16 store of 128 columns of a consumer warpgroup's [64, 256] accumulator: column
+// chunks [J0, J0 + 16) of the fragment (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in
+// chunks 16-31 with router weights w (SWIGLU = 1, J0 = 0). Registers -> swizzled staging
+// [2 chunks][64 rows][128 B] (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of
+// the map, committed as one bulk group; chunks at or past column n are skipped (TMA clips the rest
+// at the map's bounds).
 // bar_id: a named barrier of this warpgroup's 128 threads; lt: the thread within it (0 issues).
-// NOTE: WAIT = 1 when the staging buffer may still be read by earlier bulk stores (the issuing
-// thread waits for them, then the warpgroup meets); ordinary shared-memory stores need the proxy
-// fence before the copy engine reads them. (grouped_gemm.cu's gg_store_staged is the same with a
-// SwiGLU variant.)
-template <int J0, int WAIT>
-__device__ __forceinline__ void epi_store_staged_chunks(const float (&acc)[128], uint8_t *stage_c,
-                                                        const CUtensorMap *tm_c, int col, int n,
-                                                        int row0, int bar_id, int lt) {
-  if (WAIT) {
-    if (lt == 0) ptx_bulk_wait_group_read<0>();
+// NOTE: the staging buffer may still be read by earlier bulk stores of the issuing thread: with
+// WAIT >= 0 that thread first waits until at most WAIT of its latest bulk groups still read shared
+// memory (those must use other buffers), then the warpgroup meets; WAIT = -1 when nothing earlier
+// reads this buffer. Ordinary shared-memory stores need the proxy fence before the copy engine
+// reads them.
+template <int J0, int SWIGLU, int WAIT>
+__device__ __forceinline__ void epi_store_staged(const float (&acc)[128], uint8_t *stage_c,
+                                                 const CUtensorMap *tm_c, float2 w, int col, int n,
+                                                 int row0, int bar_id, int lt) {
+  static_assert(!SWIGLU || J0 == 0, "SwiGLU reads g and u from all 32 chunks");
+  if (WAIT >= 0) {
+    if (lt == 0) ptx_bulk_wait_group_read<WAIT < 0 ? 0 : WAIT>();
     ptx_named_barrier_sync(bar_id, 128);
   }
-  epi_stage_bf16<128, J0, 16>(acc, stage_c);
+  if (SWIGLU)
+    epi_stage_swiglu<128>(acc, stage_c, w);
+  else
+    epi_stage_bf16<128, J0, 16>(acc, stage_c);
   ptx_fence_proxy_async_smem();
   ptx_named_barrier_sync(bar_id, 128);
   if (lt == 0) {
@@ -231,7 +238,8 @@ template <int H, int WAIT>
 __device__ __forceinline__ void epi_store_staged_bf16(const float (&acc)[128], uint8_t *stage_c,
                                                       const CUtensorMap *tm_c, int col0, int n,
                                                       int row0, int bar_id, int lt) {
-  epi_store_staged_chunks<16 * H, WAIT>(acc, stage_c, tm_c, col0 + 128 * H, n, row0, bar_id, lt);
+  epi_store_staged<16 * H, 0, WAIT>(acc, stage_c, tm_c, make_float2(1.0f, 1.0f), col0 + 128 * H,
+                                    n, row0, bar_id, lt);
 }
 
 #endif /* MOK_CUDA_GEMM_EPILOGUE_CUH */

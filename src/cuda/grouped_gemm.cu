@@ -62,6 +62,7 @@ typedef struct {
   int n;                   // output columns per group (SwiGLU: I)
   int k_blocks;            // ceil(K / 64)
   int n_tiles;             // column tiles per group
+  int group_m;             // row units per band of the tile order (tile_scheduler.cuh)
   int bn_out;              // output columns per tile: 256, or 128 for SwiGLU
   int64_t m_total;
   void *c;                 // [M_total, N] bf16 or fp32
@@ -71,35 +72,16 @@ typedef struct {
   const float *b_scale;    // fp8-block: [G, N/128, K/128]
 } gg_kernel_params_t;
 
-// Staged store of output columns [128 H, 128 H + 128) of a consumer warpgroup's tile: registers
-// -> swizzled staging [2 chunks][64 rows][128 B] -> two TMA bulk stores of [64, 64].
-// NOTE: the staging area is reused round after round: the thread that issued the previous bulk
-// stores waits until they have read it before anyone overwrites it, and ordinary shared-memory
-// stores need the proxy fence before the copy engine reads them.
-// WAIT = 0 when round H has a buffer of its own (the 64 KB staging area), so that only the first
-// round waits for the previous tile's stores.
+// Staged store of output columns [128 H, 128 H + 128) of a consumer warpgroup's tile (or of its
+// 128 SwiGLU columns): gemm_epilogue.cuh's epi_store_staged on named barrier 1 + cw.
+// WAIT = -1 when round H has a buffer of its own (the 64 KB staging area), so that only the first
+// round waits for the previous tile's stores (WAIT = 0).
 template <int EPI, int H, int WAIT>
 __device__ __forceinline__ void gg_store_staged(const float (&acc)[128], uint8_t *stage_c,
                                                 const CUtensorMap *tm_c, float2 w, int n0, int n,
                                                 int wg_row0, int cw, int lt) {
-  if (WAIT) {
-    if (lt == 0) ptx_bulk_wait_group_read<0>();
-    ptx_named_barrier_sync(1 + cw, 128);
-  }
-  if (EPI == MOK_GG_EPI_SWIGLU) {
-    epi_stage_swiglu<128>(acc, stage_c, w);  // g in chunks 0-15, u in 16-31 -> 128 columns
-  } else {
-    epi_stage_bf16<128, 16 * H, 16>(acc, stage_c);
-  }
-  ptx_fence_proxy_async_smem();
-  ptx_named_barrier_sync(1 + cw, 128);
-  if (lt == 0) {
-    for (int ch = 0; ch < 2; ch++) {
-      const int col = n0 + 128 * H + 64 * ch;
-      if (col < n) ptx_tma_store_2d(tm_c, stage_c + ch * 8192, col, wg_row0);
-    }
-    ptx_bulk_commit_group();
-  }
+  epi_store_staged<EPI == MOK_GG_EPI_SWIGLU ? 0 : 16 * H, EPI == MOK_GG_EPI_SWIGLU, WAIT>(
+      acc, stage_c, tm_c, w, n0 + 128 * H, n, wg_row0, 1 + cw, lt);
 }
 
 template <int EPI, int STAGES, int TMA_STORE, int CLUSTER, int B_NMAJOR>
@@ -130,7 +112,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   if (CLUSTER > 1) ptx_cluster_sync();
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
-                                   p.n_tiles, GG_BM, p.bn_out, CLUSTER, rank);
+                                   p.n_tiles, p.group_m, GG_BM, p.bn_out, CLUSTER, rank);
   tp_ring_t ring = {0, 0};
   gg_tile_t tile;
 
@@ -176,19 +158,18 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       float2 w = make_float2(1.0f, 1.0f);
       if (EPI == MOK_GG_EPI_SWIGLU) w = epi_row_scales(p.row_scale, e);
-      tp_consume_tile_bf16_n256<GG_BM, STAGES, C_BYTES, CLUSTER, B_NMAJOR>(&ring, smem, full,
-                                                                           empty, p.k_blocks, cw,
-                                                                           acc);
       const int wg_row0 = tile.row0 + 64 * cw;
+      tp_consume_tile_bf16_n256<GG_BM, STAGES, C_BYTES, CLUSTER, B_NMAJOR>(
+          &ring, smem, full, empty, p.k_blocks, cw, wg_row0 >= tile.row_end, acc);
       // SwiGLU with bf16 g, u outputs too stores everything from registers (3 outputs per tile).
       const bool staged = TMA_STORE && wg_row0 + 64 <= tile.row_end &&
                           (EPI != MOK_GG_EPI_SWIGLU || (!p.g_out && !p.u_out));
       if (staged) {
         if (EPI == MOK_GG_EPI_SWIGLU) {
-          gg_store_staged<EPI, 0, 1>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
+          gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
         } else {  // 256 columns: two rounds of 128
-          gg_store_staged<EPI, 0, 1>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
-          gg_store_staged<EPI, 1, ONE_BUFFER>(acc, ONE_BUFFER ? stage_c : stage_c + 16384, &tm_c,
+          gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
+          gg_store_staged<EPI, 1, ONE_BUFFER ? 0 : -1>(acc, ONE_BUFFER ? stage_c : stage_c + 16384, &tm_c,
                                               w, tile.n0, p.n, wg_row0, cw, lt);
         }
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
@@ -325,6 +306,18 @@ static int gg_use_cluster(void) {
   return (e && e[0] == '2') ? 2 : 1;
 }
 
+extern "C" int mok_tile_group_m(int64_t b_bytes) {
+  const char *env = getenv("MOK_TILE_GROUP");
+  if (env && env[0]) return atoi(env) > 0 ? atoi(env) : 0;
+  int device = 0, l2 = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return b_bytes > (int64_t)l2 / 2 ? 8 : 0;
+}
+
 extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *stream) {
   mokResult_t res = gg_validate(p);
   if (res != MOK_SUCCESS) return res;
@@ -350,6 +343,9 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   kp.row_scale = p->row_scale;
   kp.g_out = swiglu ? p->g_out : NULL;
   kp.u_out = swiglu ? p->u_out : NULL;
+  // one group's B: N x K elements (SwiGLU: gate and up, N each)
+  kp.group_m = mok_tile_group_m((swiglu ? 2 : 1) * p->n * p->k *
+                                (p->dtype == MOK_GG_FP8_BLOCK ? 1 : 2));
 
   kp.a_scale = p->a_scale;
   kp.b_scale = p->b_scale;

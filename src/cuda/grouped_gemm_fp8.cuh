@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   const int wg = threadIdx.x / 128;
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
-                                   p.n_tiles, GG8_BM, GG8_BN, 1, 0);
+                                   p.n_tiles, p.group_m, GG8_BM, GG8_BN, 1, 0);
   tp_ring_t ring = {0, 0};
   gg_tile_t tile;
 
@@ -69,9 +69,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       sc.a0 = p.a_scale + r0 * p.k_blocks;
       sc.a1 = p.a_scale + r1 * p.k_blocks;
       sc.b = p.b_scale + ((int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN) * p.k_blocks;
-      tp_consume_tile_fp8_n128<GG8_BM, GG8_STAGES, C_BYTES>(&ring, smem, full, empty, p.k_blocks,
-                                                            cw, sc, total);
       const int wg_row0 = tile.row0 + 64 * cw;
+      tp_consume_tile_fp8_n128<GG8_BM, GG8_STAGES, C_BYTES>(
+          &ring, smem, full, empty, p.k_blocks, cw, wg_row0 >= tile.row_end, sc, total);
       if (STAGED && wg_row0 + 64 <= tile.row_end) {
         // NOTE: as in gg_store_staged: wait until the previous stores have read the staging
         // area, and fence ordinary smem stores before the copy engine reads them.

@@ -132,8 +132,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       const int c_row = tile.c_row0 + 64 * cw;  // first row of this warpgroup's piece in C[g]
       if (TMA_STORE && c_row + 64 <= p.n) {     // all 64 rows inside C[g]: staged
         const int row = tile.group * p.n + c_row;  // in the [G N, K] view (< 2^31: launcher)
-        epi_store_staged_bf16<0, 1>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
-        epi_store_staged_bf16<1, 0>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row, 1 + cw,
+        epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
+        epi_store_staged_bf16<1, -1>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row, 1 + cw,
                                     lt);
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c + c_off, e);

@@ -164,10 +164,13 @@ __device__ __forceinline__ void ptx_bulk_wait_group_read(void) {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
-// Waits until all committed bulk groups have completed (their global writes are performed).
-__device__ __forceinline__ void ptx_bulk_wait_group_all(void) {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+// Waits until at most N committed bulk groups (the most recent ones) are still pending: all
+// older groups have completed (their global writes are performed).
+template <int N>
+__device__ __forceinline__ void ptx_bulk_wait_group(void) {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
+__device__ __forceinline__ void ptx_bulk_wait_group_all(void) { ptx_bulk_wait_group<0>(); }
 
 // Barrier over `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is
 // __syncthreads): lets one warpgroup synchronize without stopping the others.

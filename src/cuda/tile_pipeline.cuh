@@ -204,12 +204,26 @@ __device__ __forceinline__ void tp_turn_pass(int wg, int kb, int k_blocks) {
 // k_blocks stages, bf16 operands. acc is in wgmma's fragment layout (see gemm_epilogue.cuh).
 // ORDERED: issue in turns with the other consumer warpgroup (above); the two must consume the
 // same tiles.
+// idle: none of this warpgroup's 64 rows is stored (the last row tile of a group, with at most 64
+// rows left): it only releases the stages as they arrive and leaves acc undefined, so the other
+// warpgroup's wgmmas get the tensor cores to themselves and the tile takes about half the time.
+// (Not with ORDERED, whose turns both warpgroups must take.)
 template <int BM, int STAGES, int C_BYTES, int CLUSTER, int B_NMAJOR, int ORDERED = 0>
 __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8_t *smem,
                                                           uint64_t *full, uint64_t *empty,
-                                                          int k_blocks, int wg, float (&acc)[128]) {
+                                                          int k_blocks, int wg, bool idle,
+                                                          float (&acc)[128]) {
   typedef tp_plan<BM, 256, STAGES, C_BYTES> P;
   const int lane = threadIdx.x & 31;
+  if (idle && !ORDERED) {
+    for (int kb = 0; kb < k_blocks; kb++) {
+      ptx_mbar_wait(&full[ring->stage], ring->phase);
+      if (lane == 0) tp_release<CLUSTER>(&empty[ring->stage]);
+      tp_ring_advance<STAGES>(ring);
+    }
+    __syncwarp();
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 128; i++) ptx_fence_operand(acc[i]);
   int prev_stage = -1;
@@ -257,13 +271,23 @@ typedef struct {
 // are loaded during block kb (an L2 or DRAM load's latency is longer than one block's wgmmas).
 // NOTE: issuing in turns with the other warpgroup (ORDERED of the bf16 loop) measured slower here
 // on 11 of 12 benchmark cases (bench/NOTES.md, v10), so the two issue together.
+// idle: as for tp_consume_tile_bf16_n256 (no row of this warpgroup is stored; total undefined).
 template <int BM, int STAGES, int C_BYTES>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
                                                          uint64_t *full, uint64_t *empty,
-                                                         int k_blocks, int wg, tp_fp8_scales_t sc,
-                                                         float (&total)[64]) {
+                                                         int k_blocks, int wg, bool idle,
+                                                         tp_fp8_scales_t sc, float (&total)[64]) {
   typedef tp_plan<BM, 128, STAGES, C_BYTES> P;
   const int lane = threadIdx.x & 31;
+  if (idle) {
+    for (int kb = 0; kb < k_blocks; kb++) {
+      ptx_mbar_wait(&full[ring->stage], ring->phase);
+      if (lane == 0) ptx_mbar_arrive(&empty[ring->stage]);
+      tp_ring_advance<STAGES>(ring);
+    }
+    __syncwarp();
+    return;
+  }
   float part[64];
 #pragma unroll
   for (int i = 0; i < 64; i++) total[i] = 0.0f;

@@ -3,9 +3,12 @@
  * device memory.
  *
  * A unit is CLUSTER row tiles of BM rows stacked (one per CTA of a cluster: they share the B tile)
- * times one column tile. Units are numbered group by group, row unit by row unit, column tile
- * fastest; cluster c takes units c, c + clusters, c + 2 clusters, ..., and CTA rank r of the
- * cluster takes row tile r of each. The producer and the consumer warpgroups each walk this same
+ * times one column tile. Units are numbered group by group; within a group, row unit by row unit
+ * with the column tile fastest, or (group_m > 0) in bands of group_m row units, column tile by
+ * column tile within a band and its row units fastest, so that the units that share a B tile
+ * are taken together (what src/task_plan.h's mok_plan_tile does for the fused kernel). Cluster c
+ * takes units c, c + clusters, c + 2 clusters, ..., and CTA rank r of the cluster takes row tile
+ * r of each. The producer and the consumer warpgroups each walk this same
  * sequence through gg_sched_next: the loop is written once, so the roles cannot drift apart.
  *
  * There is no table: unit indices only grow, so each walker keeps a cursor (current group, units
@@ -41,6 +44,7 @@ typedef struct {
   int num_groups;
   int64_t m_total;
   int n_tiles;           // column tiles per group
+  int group_m;           // row units per band (0: row unit by row unit)
   int unit_rows;         // rows per unit: BM x CLUSTER
   int row_offset;        // this CTA's row tile inside a unit: BM x cluster rank
   int bn;                // output columns per tile
@@ -58,13 +62,15 @@ __device__ __forceinline__ int64_t gg_load_offset(const void *offsets, int is64,
 // cluster: CTAs per cluster (1 or 2, along the grid's x), rank: this CTA's rank in it.
 __device__ __forceinline__ gg_sched_t gg_sched_init(const void *offsets, int offsets_int64,
                                                     int num_groups, int64_t m_total, int n_tiles,
-                                                    int bm, int bn, int cluster, int rank) {
+                                                    int group_m, int bm, int bn, int cluster,
+                                                    int rank) {
   gg_sched_t s;
   s.offsets = offsets;
   s.offsets_int64 = offsets_int64;
   s.num_groups = num_groups;
   s.m_total = m_total;
   s.n_tiles = n_tiles;
+  s.group_m = group_m;
   s.unit_rows = bm * cluster;
   s.row_offset = bm * rank;
   s.bn = bn;
@@ -98,8 +104,18 @@ __device__ __forceinline__ int gg_sched_next(gg_sched_t *s, gg_tile_t *t) {
   }
   s->next += s->stride;
   const int local = idx - s->units_before;
-  const int m_blk = local / s->n_tiles;
-  const int n_blk = local - m_blk * s->n_tiles;
+  int m_blk, n_blk;
+  if (s->group_m > 0) {
+    const int mt = s->units / s->n_tiles, per_band = s->group_m * s->n_tiles;
+    const int g0 = local / per_band * s->group_m;
+    const int gm = mt - g0 < s->group_m ? mt - g0 : s->group_m;
+    const int r = local - g0 * s->n_tiles;
+    n_blk = r / gm;
+    m_blk = g0 + (r - n_blk * gm);
+  } else {
+    m_blk = local / s->n_tiles;
+    n_blk = local - m_blk * s->n_tiles;
+  }
   t->group = s->group;
   t->row0 = s->lo + m_blk * s->unit_rows + s->row_offset;
   t->row_end = s->hi;

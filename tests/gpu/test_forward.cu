@@ -455,7 +455,7 @@ static void run_path(fwd_gpu_t *g, const fwd_problem_t *p, const char *path, con
 }
 
 // The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM,
-// with the issue-order and g/u-staging knobs on 3, and with the rows gathered beforehand
+// with the issue-order and staging knobs on 3, and with the rows gathered beforehand
 // (MOK_FUSED_GATHER=kernel), lag 1 and DOWN stored from registers on 5.
 static void fused_case(fwd_problem_t *p, const char *what) {
   fwd_gpu_t g;
@@ -476,16 +476,24 @@ static void fused_case(fwd_problem_t *p, const char *what) {
     MOK_EXPECT_MSG(c == c0, "%s: fused on %s CTAs: the saved context differs from the chain's",
                    what, sms[i] ? sms[i] : "all");
   }
-  // Knobs that must not change a bit: the consumer warpgroups issuing in turns (ORDER), g and u
-  // stored through shared memory and TMA (GU_STAGED); each on, the other off, on 3 CTAs.
-  for (int order = 0; order < 2; order++) {
-    setenv("MOK_FUSED_ORDER", order ? "1" : "0", 1);
-    setenv("MOK_FUSED_GU_STAGED", order ? "0" : "1", 1);
+  // Knobs that must not change a bit, on 3 CTAs: the consumer warpgroups issuing in turns with a,
+  // g and u stored from registers and bands of 3 row tiles in the plan; g and u staged but a from
+  // registers, with bands of 8. (By default all three are staged, and these small weights give
+  // no bands.)
+  const char *knobs[2][4] = {
+      {"MOK_FUSED_ORDER=1", "MOK_FUSED_GU_STAGED=0", "MOK_TILE_GROUP=3", NULL},
+      {"MOK_FUSED_A_STAGED=0", "MOK_TILE_GROUP=8", NULL, NULL}};
+  for (int v = 0; v < 2; v++) {
+    char names[3][32];
+    for (int k = 0; knobs[v][k]; k++) {
+      snprintf(names[k], sizeof(names[k]), "%s", knobs[v][k]);
+      *strchr(names[k], '=') = 0;
+      setenv(names[k], strchr(knobs[v][k], '=') + 1, 1);
+    }
     run_path(&g, p, "fused", "3", &y, &c, what);
-    unsetenv("MOK_FUSED_ORDER");
-    unsetenv("MOK_FUSED_GU_STAGED");
-    MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with MOK_FUSED_ORDER=%d, MOK_FUSED_GU_STAGED=%d "
-                   "differs from the chain", what, order, !order);
+    for (int k = 0; knobs[v][k]; k++) unsetenv(names[k]);
+    MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with %s, %s, %s differs from the chain", what,
+                   knobs[v][0], knobs[v][1], knobs[v][2] ? knobs[v][2] : "-");
   }
   setenv("MOK_FUSED_GATHER", "kernel", 1);  // GATE_UP reads rows gathered by the chain's kernel
   setenv("MOK_FUSED_LAG", "1", 1);           // the plan's smallest lag
