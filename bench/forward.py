@@ -99,14 +99,16 @@ def print_kernel_times(model, label, fn):
         print(f"    {t:8.3f} ms  {name[:100]}")
 
 
-TRACE_PER_CTA, TRACE_FIELDS = 2048, 4  # src/cuda/forward_fused.cu: FK_TRACE_*
+TRACE_PER_CTA, TRACE_FIELDS = 2048, 6  # src/cuda/forward_fused.cu: FK_TRACE_*
 TASK_KINDS = ("SHARED_GATE_UP", "GATE_UP", "DOWN", "SHARED_DOWN", "REDUCE")  # src/task_plan.h
 
 
 def print_fused_trace(model, fn):
     """Runs fn (a fused forward) once with the kernel's task trace on and prints where each CTA's
-    time went: per task kind its mainloops and epilogues, the idle time before its tasks (a
-    consumer waiting for its first stage: dependencies and loads), and the idle tail."""
+    time went: per task kind its mainloops and epilogues, the idle time before its tasks (the
+    consumers waiting for the first stage), and the idle tail; and, for the idle time, when the
+    producer could start loading the task (its dependency met) and when its first stage was
+    issued, against the end of the consumers' previous task."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     buf = torch.zeros(sms * TRACE_PER_CTA * TRACE_FIELDS, dtype=torch.int64, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,7 +122,9 @@ def print_fused_trace(model, fn):
     t0 = min(c[0][1] for c in ctas)
     t1 = max(c[-1][3] for c in ctas)
     span = (t1 - t0) / 1e3
-    stats = {k: [0, 0.0, 0.0, 0.0] for k in TASK_KINDS}  # tasks, mainloop, epilogue, idle before
+    # per kind: tasks, mainloop, epilogue, idle before; producer: dependency met, first stage
+    # issued, first stage ready (each after the previous task's end; tile tasks only)
+    stats = {k: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in TASK_KINDS}
     tail = 0.0
     for c in ctas:
         prev_end = t0
@@ -130,16 +134,22 @@ def print_fused_trace(model, fn):
             st[1] += (r[2] - r[1]) / 1e3
             st[2] += (r[3] - r[2]) / 1e3
             st[3] += (r[1] - prev_end) / 1e3
+            if r[4] > 0 and r[5] > 0:
+                st[4] += (r[4] - prev_end) / 1e3
+                st[5] += (r[5] - prev_end) / 1e3
+                st[6] += (r[1] - prev_end) / 1e3
             prev_end = r[3]
         tail += (t1 - prev_end) / 1e3
     total = span * len(ctas)
     print(f"{model} fused trace: {len(ctas)} CTAs, {span / 1e3:.3f} ms from the first task to the "
           f"last of a {start.elapsed_time(end):.3f} ms forward; per kind: tasks, mean mainloop + "
-          f"epilogue us, share of CTA time (mainloop / epilogue / idle before)")
-    for k, (n, ml, ep, idle) in stats.items():
+          f"epilogue us, share of CTA time (mainloop / epilogue / idle before); after the "
+          f"previous task's end, mean us to: dependency met / first stage issued / ready")
+    for k, (n, ml, ep, idle, dep, iss, rdy) in stats.items():
         if n:
             print(f"    {k:15s} {n:6d}  {ml / n:8.1f} + {ep / n:6.1f} us   {100 * ml / total:5.1f}% "
-                  f"/ {100 * ep / total:4.1f}% / {100 * idle / total:4.1f}%")
+                  f"/ {100 * ep / total:4.1f}% / {100 * idle / total:4.1f}%   "
+                  f"{dep / n:6.1f} / {iss / n:6.1f} / {rdy / n:6.1f}")
     print(f"    idle after the CTA's last task: {100 * tail / total:.1f}%")
 
 
@@ -214,6 +224,8 @@ def run_case(model, args, gen):
         for label, fn in (("fused", mok_fwd), ("chain", chain_fwd), ("pipeline", base)):
             print_kernel_times(model, label, fn)
         print_fused_trace(model, mok_fwd)
+        for name, fn in variants.items():
+            print_fused_trace(f"{model} [{name[8:-3]}]", fn)
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9,

@@ -105,13 +105,15 @@ typedef struct {
   CUtensorMap gs, us;
 } fk_maps_t;
 
-// Task trace (MOK_FUSED_TRACE=<device address>, a tuning aid): consumer warpgroup 0 of each CTA
-// writes one record of FK_TRACE_FIELDS words per task it runs, at trace + (CTA x FK_TRACE_PER_CTA
-// + n) x FK_TRACE_FIELDS: (kind << 56 | task number, %globaltimer when its first stage is ready,
-// when its mainloop ends, when its epilogue and release end). Records past FK_TRACE_PER_CTA are
-// dropped. The caller provides grid x FK_TRACE_PER_CTA x FK_TRACE_FIELDS zeroed words.
+// Task trace (MOK_FUSED_TRACE=<device address>, a tuning aid): each CTA writes one record of
+// FK_TRACE_FIELDS words per task, the n-th at trace + (CTA x FK_TRACE_PER_CTA + n) x
+// FK_TRACE_FIELDS. Consumer warpgroup 0 writes words 0-3: kind << 56 | task number, then
+// %globaltimer when the task's first stage is ready, when its mainloop ends, when its epilogue
+// and release end; the producer writes words 4-5: when the task's dependency is met (it starts
+// loading) and when its first stage is issued. Records past FK_TRACE_PER_CTA are dropped. The
+// caller provides grid x FK_TRACE_PER_CTA x FK_TRACE_FIELDS zeroed words.
 #define FK_TRACE_PER_CTA 2048
-#define FK_TRACE_FIELDS 4
+#define FK_TRACE_FIELDS 6
 
 typedef struct {
   mok_fwd_fused_params_t f;
@@ -186,6 +188,13 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
   return d;
 }
 
+// One thread: field `f` of this CTA's trace record n (when tracing). Each value is stored at once,
+// so no timestamp stays in a register across the mainloop.
+__device__ __forceinline__ void fk_trace(const fk_params_t &p, uint32_t n, int f, uint64_t v) {
+  if (p.trace && n < FK_TRACE_PER_CTA)
+    p.trace[((size_t)blockIdx.x * FK_TRACE_PER_CTA + n) * FK_TRACE_FIELDS + f] = v;
+}
+
 // Waits until counter `c` reaches `target` (acquire), or the timeout, or an abort.
 __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task) {
   uint32_t *ctr = p.f.l.counters;
@@ -207,10 +216,13 @@ __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t targe
 }
 
 // The producer warpgroup's share of one tile: k_blocks stages, the first tagged with the task
-// number (s_tag, read by the consumers). lt: thread within the warpgroup.
+// number (s_tag, read by the consumers). lt: thread within the warpgroup; tn: the task's trace
+// record.
 __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
                                            uint8_t *smem, uint64_t *full, uint64_t *empty,
-                                           volatile int64_t *s_tag, int64_t tag, int lt) {
+                                           volatile int64_t *s_tag, int64_t tag, int lt,
+                                           uint32_t tn) {
+  if (lt == 0) fk_trace(p, tn, 4, ptx_globaltimer_ns());
   // NOTE: thread 0 writes the tag after the stage is free (a consumer may not have read the tag
   // of its previous use before) and before its first arrival on the stage's full barrier (a
   // release), so a consumer that saw the phase complete (acquire) reads it.
@@ -226,6 +238,7 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
         ptx_tma_load_2d(a_tile, d.a, bar, kb * 64, (int)d.row0);
         ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
         ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
+        if (kb == 0) fk_trace(p, tn, 5, ptx_globaltimer_ns());
       }
       ptx_mbar_arrive(bar);
       tp_ring_advance<FK_STAGES>(ring);
@@ -257,6 +270,7 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
       ptx_mbar_arrive_expect_tx(bar, fk_plan::B_BYTES);
       ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
       ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
+      if (kb == 0) fk_trace(p, tn, 5, ptx_globaltimer_ns());
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -376,13 +390,6 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_
   fk_release<-1>(p, d.done, 1u, cw, lt);
 }
 
-// Consumer warpgroup 0, thread 0: field `f` of this CTA's trace record n (when tracing). Each
-// value is stored at once, so no timestamp stays in a register across the mainloop.
-__device__ __forceinline__ void fk_trace(const fk_params_t &p, uint32_t n, int f, uint64_t v) {
-  if (p.trace && n < FK_TRACE_PER_CTA)
-    p.trace[((size_t)blockIdx.x * FK_TRACE_PER_CTA + n) * FK_TRACE_FIELDS + f] = v;
-}
-
 // REDUCE(b) for warpgroup wg (all three take part: the producer has no loads left by then):
 // tokens 128 b + 4 wg + w, + 12, ... for its warp w, one warp per token.
 __device__ __forceinline__ void fk_reduce(const fk_params_t &p, const mok_task_plan_t &plan,
@@ -465,11 +472,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     // warpgroup meets to read it (every thread needs it for GATE_UP's rows and the ring), and the
     // consumers learn it from the tag of its first stage. The tasks in flight are thus always a
     // window of about one task per CTA, which keeps the tiles that share weights together in L2.
-    // NOTE: the ticket is taken only when the producer is free for the task. Taken earlier (tried:
-    // at the start of the previous task), the CTAs start their tasks at less predictable times
-    // after taking them, and the tiles that share a weight block drift apart in their K loops:
-    // DeepSeek-V3 was 17% slower.
-    for (int64_t k = 0;; k++) {
+    // NOTE: the ticket is taken only when the producer is free for the task. Taken earlier, the
+    // tiles that share a weight block drift apart in their K loops: at the start of the previous
+    // task, DeepSeek-V3 was 17% slower; while the previous tile's last 4 or 8 stages were issued,
+    // the first stages came 2 us earlier but the mainloops ran 2-5% slower, and the traced
+    // forward took longer at all three benchmark shapes (bench/NOTES.md, v11).
+    for (uint32_t k = 0;; k++) {  // k: this CTA's task count = its trace record
       if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(l.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
       ptx_named_barrier_sync(FK_BAR_WG + 0, 128);
@@ -489,7 +497,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_wait(p, d.wait, d.wait_target, i);
         ptx_fence_proxy_async_global();  // a was stored by other SMs' generic stores
       }
-      fk_produce(p, d, &ring, smem, full, empty, s_tag, i, lt);
+      fk_produce(p, d, &ring, smem, full, empty, s_tag, i, lt, k);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
