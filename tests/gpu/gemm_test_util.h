@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -127,6 +128,29 @@ static inline void clear_gemm_mode(void) {
 static inline const char *gemm_mode_name(int mode) {
   return mode == 0 ? "staged+cluster" : mode == 1 ? "staged" : mode == 2 ? "direct" : "staged-4";
 }
+// Runs p twice, into dc and then dc2 (each [rows, cols] bf16, poisoned with 0xFF bytes first), and
+// copies both results into c and c2 for the caller to compare bitwise. Returns 0, or 1 after
+// writing why into msg when a launch or the device failed.
+static inline int gemm_run_twice(mok_grouped_gemm_params_t *p, uint16_t *dc, uint16_t *dc2,
+                                 std::vector<uint16_t> &c, std::vector<uint16_t> &c2, char *msg,
+                                 size_t len) {
+  const size_t bytes = c.size() * 2;
+  cudaMemset(dc, 0xFF, bytes);
+  cudaMemset(dc2, 0xFF, bytes);
+  p->c = dc;
+  const mokResult_t r1 = mok_grouped_gemm_launch(p, NULL);
+  p->c = dc2;
+  const mokResult_t r2 = mok_grouped_gemm_launch(p, NULL);
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (r1 != MOK_SUCCESS || r2 != MOK_SUCCESS || err != cudaSuccess) {
+    snprintf(msg, len, "launch %d %d, cuda %s", (int)r1, (int)r2, cudaGetErrorString(err));
+    return 1;
+  }
+  cudaMemcpy(c.data(), dc, bytes, cudaMemcpyDeviceToHost);
+  cudaMemcpy(c2.data(), dc2, bytes, cudaMemcpyDeviceToHost);
+  return 0;
+}
+
 #define FOR_BOTH_STORE_MODES(body)                                                              \
   do {                                                                                          \
     for (int mode_ = 0; mode_ < GEMM_MODES; mode_++) {                                          \

@@ -306,17 +306,8 @@ MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
     p.b2 = swiglu ? du : NULL;
     p.row_scale = swiglu ? dw : NULL;
     // run twice, each into poisoned memory; the two results must be bitwise equal
-    cudaMemset(dc, 0xFF, (size_t)M * N * 2);
-    cudaMemset(dc2, 0xFF, (size_t)M * N * 2);
-    p.c = dc;
-    mokResult_t r1 = mok_grouped_gemm_launch(&p, NULL);
-    p.c = dc2;
-    mokResult_t r2 = mok_grouped_gemm_launch(&p, NULL);
-    cudaError_t err = cudaDeviceSynchronize();
-    MOK_REQUIRE_MSG(r1 == MOK_SUCCESS && r2 == MOK_SUCCESS && err == cudaSuccess,
-                    "launch %d %d, cuda %s", (int)r1, (int)r2, cudaGetErrorString(err));
-    cudaMemcpy(c.data(), dc, c.size() * 2, cudaMemcpyDeviceToHost);
-    cudaMemcpy(c2.data(), dc2, c2.size() * 2, cudaMemcpyDeviceToHost);
+    char msg[128];
+    MOK_REQUIRE_MSG(gemm_run_twice(&p, dc, dc2, c, c2, msg, sizeof(msg)) == 0, "%s", msg);
     MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), c.size() * 2) == 0,
                    "epilogue %d (%s): two runs differ bitwise", (int)p.epilogue,
                    gemm_mode_name(epi_i / 2));
@@ -398,17 +389,8 @@ MOK_TEST(gemm_bf16_nmajor_large_matches_cublas) {
   std::vector<uint16_t> c((size_t)M * N), c2((size_t)M * N);
   for (int mode = 1; mode < GEMM_MODES; mode++) {  // no clusters with N-major B
     set_gemm_mode(mode);
-    cudaMemset(dc, 0xFF, (size_t)M * N * 2);
-    cudaMemset(dc2, 0xFF, (size_t)M * N * 2);
-    p.c = dc;
-    mokResult_t r1 = mok_grouped_gemm_launch(&p, NULL);
-    p.c = dc2;
-    mokResult_t r2 = mok_grouped_gemm_launch(&p, NULL);
-    cudaError_t err = cudaDeviceSynchronize();
-    MOK_REQUIRE_MSG(r1 == MOK_SUCCESS && r2 == MOK_SUCCESS && err == cudaSuccess,
-                    "launch %d %d, cuda %s", (int)r1, (int)r2, cudaGetErrorString(err));
-    cudaMemcpy(c.data(), dc, c.size() * 2, cudaMemcpyDeviceToHost);
-    cudaMemcpy(c2.data(), dc2, c2.size() * 2, cudaMemcpyDeviceToHost);
+    char msg[128];
+    MOK_REQUIRE_MSG(gemm_run_twice(&p, dc, dc2, c, c2, msg, sizeof(msg)) == 0, "%s", msg);
     MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), c.size() * 2) == 0, "%s: runs differ bitwise",
                    gemm_mode_name(mode));
     int bad = 0;
