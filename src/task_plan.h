@@ -16,13 +16,13 @@
  * by DOWN tiles of expert s - L (s >= L), then SHARED_DOWN, then REDUCE. The lag L >= 1 (field
  * `lag`) keeps a DOWN tile a few hundred tasks behind the GATE_UP tiles it reads, so that with a
  * grid of ~132 CTAs they have finished by the time it is taken instead of running beside it.
- * Within a (kind, expert) block the tiles go in groups of `group_m` row tiles (all of them when
- * group_m = 0): column tile by column tile within a group, its row tiles inner (mok_plan_tile).
- * Consecutive tasks then share a weight tile (B), which the CTAs that take them stream through
- * L2 in step, while the group's few row tiles (A) stay in L2 across its column tiles; row tile by
- * row tile instead, the tiles that share a weight tile are a whole row of column tiles apart, and
- * the weights of an expert larger than L2 (DeepSeek-V3: 58 MB of gate and up) come from HBM
- * about twice.
+ * Within a (kind, expert) block the tiles go row tile by row tile, column tiles inner, or, with
+ * group_m > 0, in bands of group_m row tiles: column tile by column tile within a band, its row
+ * tiles inner (mok_plan_tile). Consecutive tasks then share a weight tile (B), which the CTAs that
+ * take them stream through L2 in step, while the band's few row tiles (A) stay in L2 across its
+ * column tiles; row tile by row tile, the tiles that share a weight tile are a whole row of
+ * column tiles apart, and the weights of an expert larger than L2 (DeepSeek-V3: 58 MB of gate
+ * and up) come from HBM about twice. The host chooses group_m (mok_tile_group_m).
  *
  * Dependencies, each a counter that producers add 1 to (release) and the consumer waits on
  * (acquire) until it reaches its target:
@@ -78,7 +78,7 @@ typedef struct {
   int32_t t_tiles;        /* token tiles = reduce blocks: ceil(T / BM) */
   const int32_t *mt_pre;  /* [E + 1] prefix sums of row tiles per expert: ceil(rows_e / BM) */
   int32_t lag;            /* expert stages from an expert's GATE_UP tiles to its DOWN tiles; 0 = 1 */
-  int32_t group_m;        /* row tiles per group of a block (see above); 0 = row tile by row tile */
+  int32_t group_m;        /* row tiles per band of a block (see above); 0 = row tile by row tile */
 } mok_task_plan_t;
 
 MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
@@ -90,10 +90,10 @@ MOK_HD void mok_plan_tile(const mok_task_plan_t *p, int64_t r, int32_t mt, int32
     t->m = (int32_t)(r / nt), t->n = (int32_t)(r % nt);
     return;
   }
-  const int64_t per_group = (int64_t)p->group_m * nt;
-  const int32_t g0 = (int32_t)(r / per_group) * p->group_m;           /* first row tile of the group */
-  const int32_t gm = mt - g0 < p->group_m ? mt - g0 : p->group_m;     /* row tiles in the group */
-  const int64_t local = r % per_group;
+  const int64_t per_band = (int64_t)p->group_m * nt;
+  const int32_t g0 = (int32_t)(r / per_band) * p->group_m;        /* first row tile of the band */
+  const int32_t gm = mt - g0 < p->group_m ? mt - g0 : p->group_m; /* row tiles in the band */
+  const int64_t local = r % per_band;
   t->n = (int32_t)(local / gm), t->m = g0 + (int32_t)(local % gm);
 }
 

@@ -224,8 +224,8 @@ MOK_TEST(task_plan_enumerates_every_task_once) {
       order_ok &= rank >= prev_kind_rank;
       prev_kind_rank = rank;
     }
-    /* groups: within a block, the next tile is the next row tile of the group at the same column
-     * tile, or the group's first row tile at the next column tile, or the next group's first */
+    /* bands: within a block, the next tile is the next row tile of the band at the same column
+     * tile, or the band's first row tile at the next column tile, or the next band's first */
     int64_t group_breaks = 0;
     const int G = p->group_m;
     for (int64_t i = 0; G > 0 && i + 1 < n; i++) {
@@ -236,7 +236,7 @@ MOK_TEST(task_plan_enumerates_every_task_once) {
                      (b.n == a.n + 1 && b.m == g0) || (b.n == 0 && b.m == a.m + 1 && b.m % G == 0);
       group_breaks += !ok;
     }
-    MOK_EXPECT_MSG(group_breaks == 0, "group_m %d: %lld steps out of the group order", G,
+    MOK_EXPECT_MSG(group_breaks == 0, "group_m %d: %lld steps out of the band order", G,
                    (long long)group_breaks);
     const int64_t tiles = p->mt_pre[p->E];
     MOK_EXPECT(dup == 0 && order_ok);

@@ -121,7 +121,7 @@ typedef struct {
   uint64_t timeout_ns;
   uint32_t sgu_base;    // counter index of SGU[0]
   int32_t lag;          // the plan's lag (fk_lag)
-  int32_t group_m;      // the plan's row-tile groups (src/task_plan.h)
+  int32_t group_m;      // the plan's row tiles per band (src/task_plan.h)
   int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
   int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
 } fk_params_t;
@@ -686,7 +686,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   const int resident = sms * per_sm;
   const int grid = p->num_sms > 0 && p->num_sms < resident ? p->num_sms : resident;
   kp.lag = fk_lag(p, grid);
-  // Row tiles per group of the plan's blocks: by the size of an expert's gate and up weights.
+  // Row tiles per band of the plan's blocks: by the size of an expert's gate and up weights.
   kp.group_m = mok_tile_group_m(2 * I * H * 2);
 
   cudaLaunchConfig_t cfg;
