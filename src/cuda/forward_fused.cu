@@ -12,9 +12,11 @@
  *                       expert order: there the 128 threads copy the tile's rows
  *                       (x[row_tok[row]]) with cp.async into the 128-byte swizzled layout TMA
  *                       would have written, so the gather costs no pass over memory of its own.
- *   consumer warpgroups wgmma into registers (rows 0-63 and 64-127 of the tile), then the
- *                       epilogue of the task (SwiGLU + router weight, bf16, fp32), then release
- *                       the task's counter.
+ *   consumer warpgroups wgmma into registers (rows 0-63 and 64-127 of the tile; a warpgroup
+ *                       whose 64 rows are all past the expert's end issues none), then the
+ *                       epilogue of the task (SwiGLU + router weight; bf16 outputs through a
+ *                       shared-memory staging buffer and TMA stores, fp32 from registers), then
+ *                       release the task's counter.
  * A REDUCE block is shared by all three warpgroups of the CTA that took it (its stage in the ring
  * carries only the tag); a last tag-only stage tells the consumers that the tasks are gone.
  *
