@@ -179,6 +179,20 @@ __device__ __forceinline__ void tp_release(uint64_t *empty_bar) {
   }
 }
 
+// A consumer warpgroup that computes nothing of a tile (see `idle` below): releases its k_blocks
+// stages as they arrive, as it would after reading them.
+template <int STAGES, int CLUSTER>
+__device__ __forceinline__ void tp_pass_tile(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
+                                             int k_blocks) {
+  const int lane = threadIdx.x & 31;
+  for (int kb = 0; kb < k_blocks; kb++) {
+    ptx_mbar_wait(&full[ring->stage], ring->phase);
+    if (lane == 0) tp_release<CLUSTER>(&empty[ring->stage]);
+    tp_ring_advance<STAGES>(ring);
+  }
+  __syncwarp();
+}
+
 // Ordered issue (ORDERED = 1): within a tile the two consumer warpgroups take turns issuing the
 // wgmmas of a stage, warpgroup 0 first. Both wait for the same stage, so without an order they
 // issue together, the tensor cores interleave them, and both wait for their results at the same
@@ -216,12 +230,7 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
   typedef tp_plan<BM, 256, STAGES, C_BYTES> P;
   const int lane = threadIdx.x & 31;
   if (idle && !ORDERED) {
-    for (int kb = 0; kb < k_blocks; kb++) {
-      ptx_mbar_wait(&full[ring->stage], ring->phase);
-      if (lane == 0) tp_release<CLUSTER>(&empty[ring->stage]);
-      tp_ring_advance<STAGES>(ring);
-    }
-    __syncwarp();
+    tp_pass_tile<STAGES, CLUSTER>(ring, full, empty, k_blocks);
     return;
   }
 #pragma unroll
@@ -280,12 +289,7 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   typedef tp_plan<BM, 128, STAGES, C_BYTES> P;
   const int lane = threadIdx.x & 31;
   if (idle) {
-    for (int kb = 0; kb < k_blocks; kb++) {
-      ptx_mbar_wait(&full[ring->stage], ring->phase);
-      if (lane == 0) ptx_mbar_arrive(&empty[ring->stage]);
-      tp_ring_advance<STAGES>(ring);
-    }
-    __syncwarp();
+    tp_pass_tile<STAGES, 1>(ring, full, empty, k_blocks);
     return;
   }
   float part[64];

@@ -59,6 +59,18 @@ __device__ __forceinline__ int64_t gg_load_offset(const void *offsets, int is64,
   return is64 ? ((const int64_t *)offsets)[g] : (int64_t)((const int32_t *)offsets)[g];
 }
 
+// Rows [lo, hi) of group g, clamped to [0, m_total) (a group ending before its start is empty):
+// what both orders below use, so that a bad offsets array never makes a row outside the tensor.
+__device__ __forceinline__ void gg_group_rows(const void *offsets, int is64, int g,
+                                              int64_t m_total, int *lo_out, int *hi_out) {
+  int64_t lo = gg_load_offset(offsets, is64, g);
+  int64_t hi = gg_load_offset(offsets, is64, g + 1);
+  lo = lo < 0 ? 0 : (lo > m_total ? m_total : lo);
+  hi = hi < lo ? lo : (hi > m_total ? m_total : hi);
+  *lo_out = (int)lo;
+  *hi_out = (int)hi;
+}
+
 // cluster: CTAs per cluster (1 or 2, along the grid's x), rank: this CTA's rank in it.
 __device__ __forceinline__ gg_sched_t gg_sched_init(const void *offsets, int offsets_int64,
                                                     int num_groups, int64_t m_total, int n_tiles,
@@ -94,13 +106,8 @@ __device__ __forceinline__ int gg_sched_next(gg_sched_t *s, gg_tile_t *t) {
     }
     s->units_before += s->units;
     s->group++;
-    int64_t lo = gg_load_offset(s->offsets, s->offsets_int64, s->group);
-    int64_t hi = gg_load_offset(s->offsets, s->offsets_int64, s->group + 1);
-    lo = lo < 0 ? 0 : (lo > s->m_total ? s->m_total : lo);
-    hi = hi < lo ? lo : (hi > s->m_total ? s->m_total : hi);
-    s->lo = (int)lo;
-    s->hi = (int)hi;
-    s->units = (int)((hi - lo + s->unit_rows - 1) / s->unit_rows) * s->n_tiles;
+    gg_group_rows(s->offsets, s->offsets_int64, s->group, s->m_total, &s->lo, &s->hi);
+    s->units = (int)(((int64_t)s->hi - s->lo + s->unit_rows - 1) / s->unit_rows) * s->n_tiles;
   }
   s->next += s->stride;
   const int local = idx - s->units_before;
@@ -180,14 +187,9 @@ __device__ __forceinline__ int gw_sched_next(gw_sched_t *s, gw_tile_t *t) {
   const int g = idx / per_group;
   const int local = idx - g * per_group;
   const int m_blk = local / s->n_tiles;
-  if (g != s->group) {  // same clamping as gg_sched_next: never a row outside [0, m_total)
-    int64_t lo = gg_load_offset(s->offsets, s->offsets_int64, g);
-    int64_t hi = gg_load_offset(s->offsets, s->offsets_int64, g + 1);
-    lo = lo < 0 ? 0 : (lo > s->m_total ? s->m_total : lo);
-    hi = hi < lo ? lo : (hi > s->m_total ? s->m_total : hi);
+  if (g != s->group) {
+    gg_group_rows(s->offsets, s->offsets_int64, g, s->m_total, &s->lo, &s->hi);
     s->group = g;
-    s->lo = (int)lo;
-    s->hi = (int)hi;
   }
   t->group = g;
   t->row0 = s->lo;
