@@ -57,14 +57,8 @@ static inline mok_grouped_gemm_params_t gemm_params(mok_gg_dtype_t dtype, mok_gg
                                                     int64_t G, int64_t M, int64_t N, int64_t K,
                                                     const void *a, const void *b,
                                                     const void *offsets, void *c) {
-  mok_grouped_gemm_params_t p;
-  memset(&p, 0, sizeof(p));
+  mok_grouped_gemm_params_t p = mok_gg_bf16_params(epi, MOK_GG_B_KMAJOR, G, M, N, K);
   p.dtype = dtype;
-  p.epilogue = epi;
-  p.num_groups = G;
-  p.m_total = M;
-  p.n = N;
-  p.k = K;
   p.a = a;
   p.b = b;
   p.offsets = offsets;
