@@ -3,23 +3,26 @@ bench/transport.py: dispatch and combine bandwidth of MoK's NVLink transport (bu
 mok_transport_*) against NCCL all_to_all (torch.distributed all_to_all_single) in the same run,
 two ranks on two GPUs (torch.multiprocessing spawn, one process per GPU).
 
-Shape: Qwen3-235B-A22B (H = 4096, E = 128, K = 8), T = 16384 tokens per rank, uniform random
-top-8 routing (distinct experts per token, a different seed per rank), bf16 rows.
+Shape: Qwen3-235B-A22B (H = 4096, E = 128, K = 8), T = 16384 tokens per rank (--tokens), uniform
+random top-8 routing (distinct experts per token, a different seed per rank), bf16 rows.
 
-Only bytes that cross NVLink count: dispatch, the rows of this rank's tokens that go to the other
-rank (a token once per rank, however many of its slots route there); combine, the rows the other
-rank's tokens routed to this rank's experts, sent back. The baseline moves exactly those bytes per
-rank with all_to_all_single and uneven splits (nothing to self). GB/s per direction = the smaller
-of the two ranks' byte counts / the slower rank's time (CUDA events, median of --reps, after
-warm-up; ranks start each timing together). Cases: dispatch (MOK_TP_DISPATCH: send, wait for the
-peer's rows), combine (MOK_TP_COMBINE: rows back home, wait) and combine+sum (MOK_TP_COMBINE |
-MOK_TP_REDUCE: plus the home rank's slot-order sum, a local pass over [T, K, H] that the
-persistent kernel runs as compute tasks; the baseline does no sum).
+Only bytes that cross NVLink count (and only those move): dispatch, the rows of this rank's tokens
+that go to the other rank (a token once per rank, however many of its slots route there); combine,
+the rows the other rank's tokens routed to this rank's experts, sent back. The baseline moves
+exactly those bytes per rank with all_to_all_single and uneven splits (nothing to self). GB/s per
+direction = the smaller of the two ranks' byte counts / the slower rank's time per call. A timing
+is --calls back-to-back calls (CUDA events, median of --reps timings after warm-up; ranks aligned
+before each), for MoK and NCCL alike: one call alone would also carry the ranks' launch skew after
+the barrier, tens of microseconds. Cases: dispatch (MOK_TP_DISPATCH: send, wait for the peer's
+rows), combine (MOK_TP_COMBINE: rows back home, wait) and combine+sum (MOK_TP_COMBINE |
+MOK_TP_REDUCE: plus the home rank's slot-order sum, a local pass over the combined rows and x that
+the persistent kernel runs as compute tasks; the baseline does no sum).
 
 Before timing, one full call is checked bitwise against torch: y = bf16(sum over k of
 bf16(x * (e_k % 4 + 1))) in fp32, slot order (the transport's stand-in expert).
 
-    python3 bench/transport.py [--sms 20] [--reps 30] [--jsonl bench/results/transport.jsonl]
+    python3 bench/transport.py [--sms 20] [--tokens 16384] [--calls 8] [--reps 30] [--cases ...]
+                               [--jsonl bench/results/transport.jsonl]
     (MOK_LIB overrides build/libmok.so)
 
 Prints a table and appends one JSON object per case to --jsonl.
@@ -46,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 W = 2
-H, E, K, T = 4096, 128, 8, 16384
+H, E, K = 4096, 128, 8
 DISPATCH, COMBINE, REDUCE = 1, 2, 4  # MOK_TP_DISPATCH, MOK_TP_COMBINE, MOK_TP_REDUCE
 
 
@@ -89,8 +92,10 @@ def ok(lib, res, what):
         raise RuntimeError(f"{what}: result {res}: {lib.mok_last_error().decode()}")
 
 
-def timed(fn, reps, stream):
-    """Median ms of reps calls of fn, each timed with CUDA events, after warm-up; ranks aligned."""
+def timed(fn, reps, stream, calls=1):
+    """Median ms per call over reps timings of `calls` back-to-back calls of fn (CUDA events),
+    after warm-up; ranks aligned before each timing. With calls > 1 the ranks' launch skew (tens
+    of microseconds after a barrier) is spread over the calls instead of added to one."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -100,10 +105,11 @@ def timed(fn, reps, stream):
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(stream)
-        fn()
+        for _ in range(calls):
+            fn()
         b.record(stream)
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / calls)
     return statistics.median(times)
 
 
@@ -130,14 +136,15 @@ def expected_y(x, idx):
     return acc.bfloat16()
 
 
-def a2a_baseline(nbytes_send, nbytes_recv, rank, reps, stream):
+def a2a_baseline(nbytes_send, nbytes_recv, rank, reps, stream, calls):
     """all_to_all_single moving nbytes_send to the other rank and nothing to itself."""
     n_send, n_recv = nbytes_send // 2, nbytes_recv // 2
     inp = torch.empty(n_send, dtype=torch.bfloat16, device="cuda").normal_()
     out = torch.empty(n_recv, dtype=torch.bfloat16, device="cuda")
     in_splits = [0 if r == rank else n_send for r in range(W)]
     out_splits = [0 if r == rank else n_recv for r in range(W)]
-    return timed(lambda: dist.all_to_all_single(out, inp, out_splits, in_splits), reps, stream)
+    return timed(lambda: dist.all_to_all_single(out, inp, out_splits, in_splits), reps, stream,
+                 calls)
 
 
 def worker(rank, args, port, results):
@@ -159,45 +166,49 @@ def worker(rank, args, port, results):
     ok(lib, lib.mok_comm_create_unique_id(ctypes.byref(comm), ctypes.byref(uid), rank, W, rank),
        "mok_comm_create_unique_id")
 
-    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    idx = torch.rand(T, E, generator=g, device="cuda").argsort(dim=1)[:, :K].to(torch.int32)
-    idx = idx.contiguous()
-    x = (torch.randn(T, H, generator=g, device="cuda") * 0.5).bfloat16().contiguous()
-    y = torch.empty_like(x)
-    want = expected_y(x, idx)
     rows = []
-    for sms in args.sms:
-        desc = Desc(T, H, E, K, 128, sms, 10.0)
-        tp = ctypes.c_void_p()
-        ok(lib, lib.mok_transport_create(ctypes.byref(tp), comm, ctypes.byref(desc)),
-           "mok_transport_create")
-        ok(lib, lib.mok_transport_layout(tp, T, idx.data_ptr(), sp), "layout")
-        ok(lib, lib.mok_transport_run(tp, DISPATCH | COMBINE | REDUCE, x.data_ptr(), y.data_ptr(),
-                                      sp), "run")
-        ok(lib, lib.mok_transport_check(tp), "check")
-        correct = bool(torch.equal(y, want))
-        correct = max_over_ranks(0.0 if correct else 1.0) == 0.0
-        db, cb = ctypes.c_int64(), ctypes.c_int64()
-        ok(lib, lib.mok_transport_remote_bytes(tp, ctypes.byref(db), ctypes.byref(cb)), "bytes")
-        sent = gather_ints([db.value, cb.value])  # [rank][dispatch, combine]
+    for T in args.tokens:
+        g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+        idx = torch.rand(T, E, generator=g, device="cuda").argsort(dim=1)[:, :K].to(torch.int32)
+        idx = idx.contiguous()
+        x = (torch.randn(T, H, generator=g, device="cuda") * 0.5).bfloat16().contiguous()
+        y = torch.empty_like(x)
+        want = expected_y(x, idx)
+        for sms in args.sms:
+            desc = Desc(T, H, E, K, 128, sms, 10.0)
+            tp = ctypes.c_void_p()
+            ok(lib, lib.mok_transport_create(ctypes.byref(tp), comm, ctypes.byref(desc)),
+               "mok_transport_create")
+            ok(lib, lib.mok_transport_layout(tp, T, idx.data_ptr(), sp), "layout")
+            ok(lib, lib.mok_transport_run(tp, DISPATCH | COMBINE | REDUCE, x.data_ptr(), y.data_ptr(),
+                                          sp), "run")
+            ok(lib, lib.mok_transport_check(tp), "check")
+            correct = bool(torch.equal(y, want))
+            correct = max_over_ranks(0.0 if correct else 1.0) == 0.0
+            db, cb = ctypes.c_int64(), ctypes.c_int64()
+            ok(lib, lib.mok_transport_remote_bytes(tp, ctypes.byref(db), ctypes.byref(cb)), "bytes")
+            sent = gather_ints([db.value, cb.value])  # [rank][dispatch, combine]
 
-        for phase, name, col in ((DISPATCH, "dispatch", 0), (COMBINE, "combine", 1),
-                                 (COMBINE | REDUCE, "combine+sum", 1)):
-            def call():
-                lib.mok_transport_run(tp, phase, x.data_ptr(), y.data_ptr(), sp)
-            ms = max_over_ranks(timed(call, args.reps, stream))
-            ok(lib, lib.mok_transport_check(tp), f"{name} timing")
-            mine, other = sent[rank][col], sent[1 - rank][col]
-            base_ms = max_over_ranks(a2a_baseline(mine, other, rank, args.reps, stream))
-            nbytes = min(s[col] for s in sent)
-            rows.append({"case": f"qwen3-235b-a22b/{name}/T{T}/sms{sms}", "sms": sms,
-                         "mok_ms": ms, "baseline_ms": base_ms,
-                         "gbps": nbytes / ms / 1e6, "baseline_gbps": nbytes / base_ms / 1e6,
-                         "bytes_per_direction": nbytes, "correct": correct})
-        # Ranks leave the timed loops together; a late COMBINE-only call must not outlive the window.
-        torch.cuda.synchronize()
-        dist.barrier()
-        ok(lib, lib.mok_transport_destroy(tp), "mok_transport_destroy")
+            for phase, name, col in ((DISPATCH, "dispatch", 0), (COMBINE, "combine", 1),
+                                     (COMBINE | REDUCE, "combine+sum", 1)):
+                if args.cases and name not in args.cases:
+                    continue
+                def call():
+                    lib.mok_transport_run(tp, phase, x.data_ptr(), y.data_ptr(), sp)
+                ms = max_over_ranks(timed(call, args.reps, stream, args.calls))
+                ok(lib, lib.mok_transport_check(tp), f"{name} timing")
+                mine, other = sent[rank][col], sent[1 - rank][col]
+                base_ms = max_over_ranks(a2a_baseline(mine, other, rank, args.reps, stream,
+                                                      args.calls))
+                nbytes = min(s[col] for s in sent)
+                rows.append({"case": f"qwen3-235b-a22b/{name}/T{T}/sms{sms}", "sms": sms,
+                             "mok_ms": ms, "baseline_ms": base_ms,
+                             "gbps": nbytes / ms / 1e6, "baseline_gbps": nbytes / base_ms / 1e6,
+                             "bytes_per_direction": nbytes, "correct": correct})
+            # Ranks leave the timed loops together; a late COMBINE-only call must not outlive the window.
+            torch.cuda.synchronize()
+            dist.barrier()
+            ok(lib, lib.mok_transport_destroy(tp), "mok_transport_destroy")
     ok(lib, lib.mok_comm_destroy(comm), "mok_comm_destroy")
     if rank == 0:
         results.extend(rows)
@@ -225,8 +236,14 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--jsonl", default=os.path.join(ROOT, "bench", "results", "transport.jsonl"))
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--tokens", default="16384", help="comma-separated tokens per rank")
+    ap.add_argument("--calls", type=int, default=8,
+                    help="back-to-back calls per timing (MoK and NCCL alike)")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     args = ap.parse_args()
     args.sms = [int(s) for s in args.sms.split(",")]
+    args.cases = [c for c in args.cases.split(",") if c]
+    args.tokens = [int(t) for t in args.tokens.split(",")]
     if torch.cuda.device_count() < W:
         print(f"needs {W} GPUs, found {torch.cuda.device_count()}")
         return 1
@@ -245,7 +262,8 @@ def main():
                    "baseline": "nccl all_to_all_single (torch.distributed), same remote bytes",
                    "baseline_ms": r["baseline_ms"], "ratio": r["baseline_ms"] / r["mok_ms"],
                    "gbps": r["gbps"], "baseline_gbps": r["baseline_gbps"], "commit": commit,
-                   "sms": r["sms"], "bytes_per_direction": r["bytes_per_direction"],
+                   "sms": r["sms"], "calls_per_timing": args.calls,
+                   "bytes_per_direction": r["bytes_per_direction"],
                    "correct": r["correct"], "torch": torch.__version__,
                    "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
             f.write(json.dumps(rec) + "\n")

@@ -35,7 +35,10 @@ timeout 300 ./build/mok_tests transport > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; cat "$OUT/tests.log" | head -60
 
 if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
-  timeout 240 compute-sanitizer --tool memcheck ./build/mok_tests transport_edge_cases \
+  # --report-api-errors no: NCCL's own setup probes CUDA calls that fail by design (kernels
+  # without an image for this GPU, an allocation flag it retries without); memory errors count.
+  timeout 240 compute-sanitizer --tool memcheck --report-api-errors no \
+    ./build/mok_tests transport_edge_cases \
     > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.log"
 fi

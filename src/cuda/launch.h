@@ -225,13 +225,14 @@ mokResult_t mok_transport_set_timeout(mok_transport_t t, double seconds);
  * Every rank calls it once per routing before mok_transport_run. */
 mokResult_t mok_transport_layout(mok_transport_t t, int64_t num_tokens, const int32_t *topk_idx,
                                  void *stream);
-/* Dispatch x [T, H] bf16 (MOK_TP_DISPATCH), combine the expert rows home (MOK_TP_COMBINE) and
- * sum them into y [T, H] bf16 (MOK_TP_REDUCE): y[t] = bf16(sum over k in slot order of
- * f(x[t], e_k)), where the stand-in expert f(row, e) = bf16(row * (e % 4 + 1)) runs on the
- * expert's rank. A call is MOK_TP_ALL; every rank runs the same phases in the same order, and
- * topk_idx of the layout must stay valid until the call's dispatch ran. Calls of single phases
- * exist for benchmarks: repeated DISPATCH-only or COMBINE-only calls are race-free, a REDUCE-only
- * call sums what the last COMBINE brought home. */
+/* Dispatch x [T, H] bf16 to the other ranks (MOK_TP_DISPATCH), combine the expert rows home
+ * (MOK_TP_COMBINE) and sum them into y [T, H] bf16 (MOK_TP_REDUCE): y[t] = bf16(sum over k in
+ * slot order of f(x[t], e_k)), where the stand-in expert f(row, e) = bf16(row * (e % 4 + 1)) runs
+ * on the expert's rank. Only rows that change rank move; the sum computes the rows of the token's
+ * own rank's experts from x. A call is MOK_TP_ALL; every rank runs the same phases in the same
+ * order, and topk_idx of the layout and x must stay valid until the call's REDUCE ran. Calls of
+ * single phases exist for benchmarks: repeated DISPATCH-only or COMBINE-only calls are race-free,
+ * a REDUCE-only call sums what the last COMBINE brought home (x is read again). */
 mokResult_t mok_transport_run(mok_transport_t t, int phases, const void *x, void *y, void *stream);
 /* Synchronizes with the last stream used and reports a kernel error (clearing it): the detail
  * names rank, SM, counter, value and target. A timeout leaves the transport unusable (every
@@ -249,10 +250,12 @@ typedef struct {
   const int32_t *rank_rows;  /* [W] padded rows per rank */
   const int32_t *recv_tokens; /* [W] tokens each rank receives */
   const int32_t *token_count; /* [W, W] tokens source s sends to rank d (own tokens included) */
-  const void *recv_x;        /* [recv_capacity, H] bf16 tokens received, (source, token) order */
+  const void *recv_x;        /* [recv_capacity, H] bf16 tokens received, (source, token) order;
+                                this rank's own block is not written */
   const int32_t *recv_meta;  /* [recv_capacity, K + 1]: source token, then row of each slot on
                                 this rank (-1 for slots elsewhere) */
-  const void *comb;          /* [T_max, K, H] bf16 rows combined back to this rank */
+  const void *comb;          /* [T_max, K, H] bf16 rows combined back to this rank (slots whose
+                                expert is on another rank) */
 } mok_transport_view_t;
 mokResult_t mok_transport_view(mok_transport_t t, mok_transport_view_t *v);
 

@@ -4,10 +4,12 @@
  *   layout kernel            one CTA: local ranks, all-gather through the window, global layout
  *                            (layout_device.cuh)
  *   dispatch-and-combine     num_ctas communication CTAs (20 by default):
- *                              DISPATCH: send tokens, signal, wait for every source's tokens
- *                              COMBINE:  send f(row) of each received (token, slot) home, signal,
- *                                        wait for every expert rank
- *                              REDUCE:   sum each token's rows in slot order (local; in the
+ *                              DISPATCH: send tokens to the other ranks, signal, wait for
+ *                                        every source's tokens
+ *                              COMBINE:  send f(row) of each (token, slot) received from another
+ *                                        rank home, signal, wait for every expert rank
+ *                              REDUCE:   sum each token's rows in slot order, the combined ones
+ *                                        and those of its own rank's experts (local; in the
  *                                        persistent kernel these are compute tasks)
  *
  * Used by tests and benchmarks on its own; the persistent kernel takes the same device functions.
@@ -39,6 +41,8 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
     tp_run_kernel(const __grid_constant__ mok_tp_params_t p) {
   __shared__ int32_t src_start[MOK_TP_MAX_RANKS + 1];  // first received position per source
   __shared__ int32_t estart[LAYOUT_MAX_EXPERTS];       // [EL] segment starts of our experts
+  __shared__ const char *warp_slots[TP_THREADS / 32 * 64];  // [warps, K] (K <= 64)
+  __shared__ float warp_scales[TP_THREADS / 32 * 64];
 
   if (p.phases & MOK_TP_DISPATCH) {
     tp_dispatch_send(p);
@@ -65,7 +69,7 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
   }
   // The sum reads only this rank's comb, complete once every CTA passed the combine wait (in
   // this launch, or in an earlier one on the same stream).
-  if (p.phases & MOK_TP_REDUCE) tp_combine_reduce(p);
+  if (p.phases & MOK_TP_REDUCE) tp_combine_reduce(p, warp_slots, warp_scales);
 }
 
 static mokResult_t tp_cuda(cudaError_t e) {

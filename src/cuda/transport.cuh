@@ -1,8 +1,9 @@
 /*
  * transport.cuh: device functions of the NVLink transport, for communication CTAs: system-scope
- * flags and counters, bounded waits that report who waited for what, token dispatch to the ranks
- * that hold a token's experts, and the combine that sends expert rows back to their home rank and
- * sums them in slot order. The standalone kernel in transport.cu strings them together; the
+ * flags and counters, bounded waits that report who waited for what, token dispatch to the other
+ * ranks that hold a token's experts, and the combine that sends expert rows back to their home
+ * rank and sums them in slot order. Only rows that change rank move: a token's row for its own
+ * rank's experts, and those experts' result rows, stay where they are (the sum reads them there). The standalone kernel in transport.cu strings them together; the
  * persistent kernel will call the same functions from its communication CTAs.
  *
  * Everything here sees raw peer pointers (mok_tp_params_t::peer, read once at setup by
@@ -14,9 +15,16 @@
  * Window regions (mok_tp_window_layout_t, same offsets on every rank):
  *   disp_ctr  [W] u64             dispatch counters, by source rank
  *   comb_ctr  [W] u64             combine counters, by expert rank
- *   recv_x    [W * T_max, H] bf16 tokens received, in (source rank, token) order
+ *   recv_x    [W * T_max, H] bf16 tokens received, in (source rank, token) order; the block of
+ *                                 this rank's own tokens is left unwritten
  *   recv_meta [W * T_max, K + 1]  source token index, then this rank's row of each slot or -1
- *   comb      [T_max, K, H] bf16  expert rows of this rank's tokens, by (token, slot)
+ *                                 (same blocks as recv_x)
+ *   comb      [T_max, K, H] bf16  expert rows of this rank's tokens from other ranks' experts,
+ *                                 by (token, slot)
+ *
+ * Measured on two H200s (bench/NOTES.md v12): 16-byte stores from registers into the peer's
+ * window carry ~345 GB/s per direction once the local rows stay out of the stream; pulling rows
+ * (loads from the peer, the sum fused) carried ~325.
  */
 #ifndef MOK_CUDA_TRANSPORT_CUH
 #define MOK_CUDA_TRANSPORT_CUH
@@ -60,6 +68,20 @@ __device__ __forceinline__ uint4 tp_ld_peer_v4(const void *p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p)
                : "memory");
+  return v;
+}
+
+// tp_ld_peer_v4 when `pred`, else zeros: straight-line code, so a batch of these stays a batch.
+__device__ __forceinline__ uint4 tp_ld_peer_v4_if(const void *p, int pred) {
+  uint4 v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\t"
+      "setp.ne.b32 q, %5, 0;\n\t"
+      "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+      "@q ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(pred)
+      : "memory");
   return v;
 }
 
@@ -189,33 +211,27 @@ __device__ __forceinline__ int64_t tp_grid_warps(void) {
 /* Dispatch                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
-// Sends this CTA's tokens: token t goes, once, to every rank d with token_pos[t, d] >= 0
-// (any of its slots routes there): x[t] to recv_x[pos] and {t, rows of its slots on d} to
-// recv_meta[pos] in d's window. A warp per token; the row is read once, stored once per rank.
+// Sends the tokens: token t goes, once, to every other rank d with token_pos[t, d] >= 0 (any of
+// its slots routes there): x[t] to recv_x[pos] and {t, rows of its slots on d} to recv_meta[pos]
+// in d's window. A token's own rank gets nothing: its rows stay in x, where the sum and (in the
+// persistent kernel) the GEMMs read them, and its block of recv_x stays unwritten. A warp per
+// token (whole rows: splitting rows into 2 KB items dealt to different warps was slower, v12).
 __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;
   const int64_t K = p.K, H = p.H, chunks = H / 8;  // 16-byte chunks per row
   const int64_t meta_ints = K + 1;
   for (int64_t t = tp_grid_warp(); t < p.T; t += tp_grid_warps()) {
-    int32_t pos = lane < W ? p.lay.token_pos[t * W + lane] : -1;
+    // Everything the token needs is loaded at once, so its row loads wait on one round trip, not
+    // three: lane d the token's position on rank d, lane j in [1, K] slot j - 1's row and expert.
+    const int32_t pos = (lane < W && lane != p.rank) ? p.lay.token_pos[t * W + lane] : -1;
+    int32_t mrow = -1, mexp = -1;
+    if (lane >= 1 && lane <= K) {
+      mrow = p.lay.slot_row[t * K + lane - 1];
+      mexp = p.topk_idx[t * K + lane - 1];
+    }
     const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dmask == 0) continue;
-    // Meta first (K + 1 ints per rank); a lane per slot.
-    for (uint32_t m = dmask; m; m &= m - 1) {
-      const int d = __ffs(m) - 1;
-      const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
-      int32_t *meta = (int32_t *)(p.peer[d] + p.win.recv_meta) + (int64_t)pd * meta_ints;
-      for (int64_t j = lane; j < meta_ints; j += 32) {
-        int32_t v = (int32_t)t;
-        if (j > 0) {
-          const int32_t row = p.lay.slot_row[t * K + j - 1];
-          const int32_t e = p.topk_idx[t * K + j - 1];
-          v = (row >= 0 && e / p.EL == d) ? row : -1;
-        }
-        meta[j] = v;
-      }
-    }
     const char *src = (const char *)p.x + t * H * 2;
     for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
       uint4 v[TP_UNROLL];
@@ -223,6 +239,22 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
       for (int u = 0; u < TP_UNROLL; u++) {
         const int64_t c = c0 + u * 32 + lane;
         if (c < chunks) v[u] = tp_ld_input_v4(src + c * 16);
+      }
+      if (c0 == 0) {
+        // Meta (K + 1 ints per rank: the token, then its slots' rows on that rank or -1) while
+        // the row's loads are on their way.
+        for (uint32_t m = dmask; m; m &= m - 1) {
+          const int d = __ffs(m) - 1;
+          const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
+          int32_t *meta = (int32_t *)(p.peer[d] + p.win.recv_meta) + (int64_t)pd * meta_ints;
+          if (lane < meta_ints)
+            meta[lane] = lane == 0 ? (int32_t)t : (mrow >= 0 && mexp / p.EL == d ? mrow : -1);
+          for (int64_t j = 32 + lane; j < meta_ints; j += 32) {  // K > 31
+            const int32_t row = p.lay.slot_row[t * K + j - 1];
+            const int32_t e = p.topk_idx[t * K + j - 1];
+            meta[j] = (row >= 0 && e / p.EL == d) ? row : -1;
+          }
+        }
       }
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
@@ -255,10 +287,13 @@ __device__ __forceinline__ int tp_local_expert_of_row(const int32_t *start, int 
   return lo;
 }
 
-// Sends this CTA's received tokens back: for token p (from rank s, token t there) and
-// every slot k whose row is on this rank, f(recv_x[p], e_k) goes to comb[t, k] in s's window.
-// src_start: [W + 1] first received position of each source rank; estart: [EL] this rank's
-// segment starts (shared memory, filled by the caller). Needs the dispatch counters waited for.
+// Sends the rows of the other ranks' tokens home: for received token q (from rank s != this
+// rank, token t there) and every slot k whose expert is on this rank, f(recv_x[q], e_k) goes to
+// comb[t, k] in s's window. Rows of this rank's own tokens are home already: the sum reads them
+// where they are. A warp per received token: a chunk of its row is loaded once and stored once
+// per slot. src_start: [W + 1] first received position of each source rank; estart: [EL] this
+// rank's segment starts (shared memory, filled by the caller). Needs the dispatch counters
+// waited for.
 __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
                                                 const int32_t *estart) {
   const int lane = threadIdx.x & 31;
@@ -266,7 +301,11 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
   const int64_t K = p.K, H = p.H, chunks = H / 8;
   const char *my_win = p.peer[p.rank];
   const int32_t *meta_all = (const int32_t *)(my_win + p.win.recv_meta);
-  for (int64_t q = tp_grid_warp(); q < src_start[W]; q += tp_grid_warps()) {
+  // The other sources' positions: [0, own0) and [own1, end).
+  const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
+  const int64_t items = src_start[W] - (own1 - own0);
+  for (int64_t i = tp_grid_warp(); i < items; i += tp_grid_warps()) {
+    const int64_t q = i < own0 ? i : i + (own1 - own0);
     int s = 0;
     while (s + 1 < W && src_start[s + 1] <= q) s++;
     const int32_t *meta = meta_all + q * (K + 1);
@@ -306,49 +345,71 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
   }
 }
 
-// y[t] = bf16(sum over k in slot order of comb[t, k]) for this CTA's tokens, skipping
-// empty slots (fp32 sum, DESIGN.md section 2). Needs the combine counters waited for.
-__device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p) {
+// y[t] = bf16(sum over k in slot order of the slot's row), skipping empty slots (fp32 sum,
+// DESIGN.md section 2): comb[t, k] for a slot whose expert is on another rank, and for one on
+// this rank the stand-in expert's row computed here, f(x[t], e_k) (that row never left home).
+// slots / scales: [TP_THREADS / 32, K] shared memory per warp. Needs the combine counters
+// waited for.
+__device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, const char **slots,
+                                                  float *scales) {
   const int lane = threadIdx.x & 31;
   const int64_t K = p.K, H = p.H, chunks = H / 8;
   const char *comb = p.peer[p.rank] + p.win.comb;
+  const char **src = slots + (threadIdx.x >> 5) * K;
+  float *scl = scales + (threadIdx.x >> 5) * K;
   for (int64_t t = tp_grid_warp(); t < p.T; t += tp_grid_warps()) {
-    // kmask bit k: slot k holds a row (lane k reads slot_row; K <= 64).
-    uint64_t kmask = 0;
+    // The used slots in slot order, packed to the front: a remote slot's comb row (scale 0) or a
+    // local slot's scale (row NULL).
+    int n = 0, any_local = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
-      const int used = k0 + lane < K && p.lay.slot_row[t * K + k0 + lane] >= 0;
-      kmask |= (uint64_t)__ballot_sync(0xffffffffu, used) << k0;
+      const int64_t k = k0 + lane;
+      int used = 0, local = 0;
+      int32_t e = -1;
+      if (k < K && p.lay.slot_row[t * K + k] >= 0) {
+        used = 1;
+        e = p.topk_idx[t * K + k];
+        local = e / p.EL == p.rank;
+      }
+      const uint32_t um = __ballot_sync(0xffffffffu, used);
+      any_local |= __ballot_sync(0xffffffffu, local) != 0;
+      if (used) {
+        const int j = n + __popc(um & ((1u << lane) - 1u));
+        src[j] = local ? NULL : comb + (t * K + k) * H * 2;
+        scl[j] = local ? tp_expert_scale(e) : 0.f;
+      }
+      n += __popc(um);
     }
+    __syncwarp();
+    const char *xrow = (const char *)p.x + t * H * 2;
     char *dst = (char *)p.y + t * H * 2;
-    const char *src = comb + t * K * H * 2;
     for (int64_t c = lane; c < chunks; c += 32) {
       float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      // Slots in groups of 8 in ascending k (the slot order of the sum): the group's loads are
-      // issued together, since one at a time a warp here is bound by latency, not bandwidth.
-      for (uint64_t m = kmask; m;) {
+      const uint4 xv = any_local ? tp_ld_input_v4(xrow + c * 16) : make_uint4(0, 0, 0, 0);
+      for (int j0 = 0; j0 < n; j0 += 8) {
+        // Up to 8 comb loads back to back (one at a time, a warp here is bound by latency): a
+        // slot past the last or a local one reads as zeros, without a branch between the loads.
         uint4 v[8];
-        bool used[8];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-          used[j] = m != 0;
-          if (used[j]) {
-            const int64_t k = __ffsll((long long)m) - 1;
-            m &= m - 1;
-            v[j] = tp_ld_peer_v4(src + k * H * 2 + c * 16);
-          }
+          const int used = j0 + j < n;
+          const char *r = src[used ? j0 + j : 0];
+          v[j] = tp_ld_peer_v4_if(r + c * 16, used && r != NULL);
         }
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-          if (!used[j]) break;
-          tp_acc_bf16x2(a[0], a[1], v[j].x);
-          tp_acc_bf16x2(a[2], a[3], v[j].y);
-          tp_acc_bf16x2(a[4], a[5], v[j].z);
-          tp_acc_bf16x2(a[6], a[7], v[j].w);
+          if (j0 + j >= n) break;
+          const float sk = scl[j0 + j];
+          const uint4 w = sk != 0.f ? tp_scale_v4(xv, sk) : v[j];
+          tp_acc_bf16x2(a[0], a[1], w.x);
+          tp_acc_bf16x2(a[2], a[3], w.y);
+          tp_acc_bf16x2(a[4], a[5], w.z);
+          tp_acc_bf16x2(a[6], a[7], w.w);
         }
       }
       tp_st_v4(dst + c * 16, make_uint4(tp_pack_bf16x2(a[0], a[1]), tp_pack_bf16x2(a[2], a[3]),
                                         tp_pack_bf16x2(a[4], a[5]), tp_pack_bf16x2(a[6], a[7])));
     }
+    __syncwarp();  // src and scl are rewritten for the next token
   }
 }
 

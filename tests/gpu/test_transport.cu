@@ -10,9 +10,10 @@
  * (e % 4 + 1), exactly. So every check is bitwise:
  *   - the GPU layout (slot rows, token positions, counts, segment starts, rank sizes, receive
  *     sizes) equals src/cpu/layout.c's for the same routing;
- *   - every received row is x of the (source, token) the CPU layout puts there, its metadata the
- *     source token and the rows of its slots on this rank;
- *   - every combined (token, slot) row is f(x[t], e), and y is the slot-order fp32 sum in bf16;
+ *   - every row received from another rank is x of the (source, token) the CPU layout puts
+ *     there, its metadata the source token and the rows of its slots on this rank;
+ *   - every (token, slot) row combined home from another rank is f(x[t], e), and y is the
+ *     slot-order fp32 sum in bf16 (slots on the token's own rank included);
  * for uneven token counts, T = 0 on either rank, empty experts, all tokens on one expert, many
  * calls in a row without clearing, Qwen3-sized rows; bad routing is reported on its rank and
  * moves nothing anywhere; a rank that never arrives gives the other MOK_ERROR_TIMEOUT naming
@@ -109,6 +110,25 @@ MOK_TEST(transport_qwen3_rows_match_cpu_layout) {
   make_rank(&ranks[0], 999, ROUTE_RANDOM, 3, 0);
   make_rank(&ranks[1], 2048, ROUTE_FULL, -1, 0);
   full_call(ranks, "Qwen3-235B rows, call 2");
+  team_down(ranks);
+}
+
+// Rows longer than one load round of a warp (2 KB), the last round short: 1160 bf16 = 2 KB + 272
+// bytes, with 8 slots per token.
+MOK_TEST(transport_rows_longer_than_a_load_round) {
+  SKIP_UNLESS_TWO_GPUS();
+  rank_t ranks[W] = {};
+  mok_transport_desc_t d = small_desc();
+  d.hidden = 1160;
+  d.num_experts = 16;
+  d.top_k = 8;
+  if (!team_up(ranks, &d)) return;
+  make_rank(&ranks[0], 211, ROUTE_RANDOM, 9, 0);
+  make_rank(&ranks[1], 300, ROUTE_FULL, -1, 0);
+  full_call(ranks, "H = 1160, call 1");
+  make_rank(&ranks[0], 300, ROUTE_FULL, -1, 0);
+  make_rank(&ranks[1], 17, ROUTE_RANDOM, -1, 0);
+  full_call(ranks, "H = 1160, call 2");
   team_down(ranks);
 }
 
