@@ -126,6 +126,7 @@ typedef struct {
   int32_t group_m;      // the plan's row tiles per band (src/task_plan.h)
   int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
   int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
+  int32_t self_decode;  // PROBE: consumers decode the task number themselves
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -217,12 +218,35 @@ __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t targe
   }
 }
 
+// A stage's tag: the task number and the task itself, decoded once by the producer for both
+// sides (the consumers would otherwise decode it between the stage's arrival and their first
+// wgmma). Thread 0 of the producer, before its first arrival on the stage's full barrier.
+__device__ __forceinline__ void fk_tag(volatile int64_t *s_tag, volatile int4 *s_task, int stage,
+                                       int64_t tag, const mok_task_t &t) {
+  s_tag[stage] = tag;
+  s_task[stage].x = t.kind;
+  s_task[stage].y = t.expert;
+  s_task[stage].z = t.m;
+  s_task[stage].w = t.n;
+}
+
+// The task posted with the tag of the stage at the ring's position (after fk_peek).
+__device__ __forceinline__ mok_task_t fk_task(const tp_ring_t *ring, const volatile int4 *s_task) {
+  mok_task_t t;
+  t.kind = s_task[ring->stage].x;
+  t.expert = s_task[ring->stage].y;
+  t.m = s_task[ring->stage].z;
+  t.n = s_task[ring->stage].w;
+  return t;
+}
+
 // The producer warpgroup's share of one tile: k_blocks stages, the first tagged with the task
 // number (s_tag, read by the consumers). lt: thread within the warpgroup; tn: the task's trace
 // record.
 __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
                                            uint8_t *smem, uint64_t *full, uint64_t *empty,
-                                           volatile int64_t *s_tag, int64_t tag, int lt,
+                                           volatile int64_t *s_tag, volatile int4 *s_task,
+                                           int64_t tag, const mok_task_t &task, int lt,
                                            uint32_t tn) {
   if (lt == 0) fk_trace(p, tn, 4, ptx_globaltimer_ns());
   // NOTE: thread 0 writes the tag after the stage is free (a consumer may not have read the tag
@@ -233,7 +257,7 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
       ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
       uint64_t *bar = &full[ring->stage];
       if (lt == 0) {
-        if (kb == 0) s_tag[ring->stage] = tag;
+        if (kb == 0) fk_tag(s_tag, s_task, ring->stage, tag, task);
         uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
         uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
         ptx_mbar_arrive_expect_tx(bar, fk_plan::STAGE_BYTES);
@@ -267,7 +291,7 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
     uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
     uint64_t *bar = &full[ring->stage];
     if (lt == 0) {
-      if (kb == 0) s_tag[ring->stage] = tag;
+      if (kb == 0) fk_tag(s_tag, s_task, ring->stage, tag, task);
       uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
       ptx_mbar_arrive_expect_tx(bar, fk_plan::B_BYTES);
       ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
@@ -288,10 +312,11 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
 // A stage without data that only carries a tag to the consumers: a REDUCE task's number, or
 // FK_TAG_END. All 128 producer threads arrive (thread 0 twice), as on a data stage.
 __device__ __forceinline__ void fk_post(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
-                                        volatile int64_t *s_tag, int64_t tag, int lt) {
+                                        volatile int64_t *s_tag, volatile int4 *s_task,
+                                        int64_t tag, const mok_task_t &task, int lt) {
   ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
   if (lt == 0) {
-    s_tag[ring->stage] = tag;
+    fk_tag(s_tag, s_task, ring->stage, tag, task);
     ptx_mbar_arrive(&full[ring->stage]);
   }
   ptx_mbar_arrive(&full[ring->stage]);
@@ -462,6 +487,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   const int wg = threadIdx.x / 128, lt = threadIdx.x & 127;
   tp_ring_t ring = {0, 0};
   __shared__ int64_t s_tag[FK_STAGES];  // the task number of the tile starting in each stage
+  __shared__ int4 s_task[FK_STAGES];     // and the task (fk_tag)
   __shared__ int64_t s_ticket[2];        // the producer warpgroup's current ticket, double-buffered
   if (wg == 0) {
     if (lt == 0) {
@@ -485,12 +511,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       ptx_named_barrier_sync(FK_BAR_WG + 0, 128);
       const int64_t i = s_ticket[k & 1];
       if (i >= num_tasks) {
-        fk_post(&ring, full, empty, s_tag, FK_TAG_END, lt);
+        fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
         break;
       }
       const mok_task_t t = mok_plan_task(&plan, i);
       if (t.kind == MOK_TASK_REDUCE) {  // last in the order: every load of this CTA is issued
-        fk_post(&ring, full, empty, s_tag, i, lt);
+        fk_post(&ring, full, empty, s_tag, s_task, i, t, lt);
         fk_reduce(p, plan, t.m, i, wg, lt);
         continue;
       }
@@ -499,7 +525,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_wait(p, d.wait, d.wait_target, i);
         ptx_fence_proxy_async_global();  // a was stored by other SMs' generic stores
       }
-      fk_produce(p, d, &ring, smem, full, empty, s_tag, i, lt, k);
+      fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, k);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
@@ -515,7 +541,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       for (;;) {
         i = fk_peek(&ring, full, s_tag);
         if (i < 0) break;
-        const mok_task_t t = mok_plan_task(&plan, i);
+        const mok_task_t t = p.self_decode ? mok_plan_task(&plan, i) : fk_task(&ring, s_task);
         if (t.kind == MOK_TASK_REDUCE) break;
         if (tracer) {
           fk_trace(p, s_trace_n, 0, (uint64_t)t.kind << 56 | (uint64_t)i);
@@ -548,8 +574,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_trace(p, s_trace_n, 1, now);
         fk_trace(p, s_trace_n, 2, now);
       }
+      const int32_t block = fk_task(&ring, s_task).m;  // read before the stage is released
       fk_skip(&ring, empty);
-      fk_reduce(p, plan, mok_plan_task(&plan, i).m, i, wg, lt);
+      fk_reduce(p, plan, block, i, wg, lt);
       if (tracer) fk_trace(p, s_trace_n++, 3, ptx_globaltimer_ns());
       i = fk_peek(&ring, full, s_tag);
     }
@@ -651,6 +678,8 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   // MOK_FUSED_GU_STAGED=0.
   const char *as_env = getenv("MOK_FUSED_A_STAGED");
   kp.a_staged = !(gs && gs[0] == '0') && !(as_env && as_env[0] == '0');
+  const char *sd_env = getenv("MOK_FUSED_SELF_DECODE");
+  kp.self_decode = sd_env && sd_env[0] == '1';
 
   int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
