@@ -5,7 +5,8 @@
  * src/task_plan.h: SHARED_GATE_UP tiles, then per expert stage s the GATE_UP tiles of expert s
  * and the DOWN tiles of expert s - L, then SHARED_DOWN tiles, then REDUCE blocks. Each CTA takes
  * the tasks a ticket counter deals out in that order, one at a time; its producer warpgroup takes
- * the ticket and the consumers read it from a tag in the task's first ring stage:
+ * the ticket, decodes the task, and the consumers read both from a tag in the task's first ring
+ * stage:
  *
  *   producer warpgroup  fills the ring of tile_pipeline.cuh. B always comes by TMA (thread 0).
  *                       A comes by TMA too, except for GATE_UP, whose rows are tokens of x in
@@ -126,7 +127,6 @@ typedef struct {
   int32_t group_m;      // the plan's row tiles per band (src/task_plan.h)
   int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
   int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
-  int32_t self_decode;  // PROBE: consumers decode the task number themselves
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -219,8 +219,9 @@ __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t targe
 }
 
 // A stage's tag: the task number and the task itself, decoded once by the producer for both
-// sides (the consumers would otherwise decode it between the stage's arrival and their first
-// wgmma). Thread 0 of the producer, before its first arrival on the stage's full barrier.
+// sides. Decoded by the consumers too (between the stage's arrival and their first wgmma), the
+// fused forward was 2-8% slower at the three benchmark shapes (bench/NOTES.md v12). Thread 0 of
+// the producer, before its first arrival on the stage's full barrier.
 __device__ __forceinline__ void fk_tag(volatile int64_t *s_tag, volatile int4 *s_task, int stage,
                                        int64_t tag, const mok_task_t &t) {
   s_tag[stage] = tag;
@@ -541,7 +542,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       for (;;) {
         i = fk_peek(&ring, full, s_tag);
         if (i < 0) break;
-        const mok_task_t t = p.self_decode ? mok_plan_task(&plan, i) : fk_task(&ring, s_task);
+        const mok_task_t t = fk_task(&ring, s_task);
         if (t.kind == MOK_TASK_REDUCE) break;
         if (tracer) {
           fk_trace(p, s_trace_n, 0, (uint64_t)t.kind << 56 | (uint64_t)i);
@@ -678,8 +679,6 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   // MOK_FUSED_GU_STAGED=0.
   const char *as_env = getenv("MOK_FUSED_A_STAGED");
   kp.a_staged = !(gs && gs[0] == '0') && !(as_env && as_env[0] == '0');
-  const char *sd_env = getenv("MOK_FUSED_SELF_DECODE");
-  kp.self_decode = sd_env && sd_env[0] == '1';
 
   int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
