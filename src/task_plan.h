@@ -83,9 +83,25 @@ typedef struct {
 
 MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
 
-/* Tile r of a block of mt row tiles x nt column tiles, in the order described above. */
+/* Tile r of a block of mt row tiles x nt column tiles, in the order described above. In 32-bit
+ * arithmetic when the block's tiles fit (always, in practice): a 64-bit division is a long
+ * subroutine on the GPU, and the persistent kernel's producer decodes a task between the last
+ * stage of one tile and the first of the next. */
 MOK_HD void mok_plan_tile(const mok_task_plan_t *p, int64_t r, int32_t mt, int32_t nt,
                           mok_task_t *t) {
+  if ((int64_t)(mt > p->group_m ? mt : p->group_m) * nt <= INT32_MAX) {
+    const int32_t r32 = (int32_t)r;
+    if (p->group_m <= 0) {
+      t->m = r32 / nt, t->n = r32 % nt;
+      return;
+    }
+    const int32_t per_band = p->group_m * nt, band = r32 / per_band;
+    const int32_t g0 = band * p->group_m;                           /* first row tile of the band */
+    const int32_t gm = mt - g0 < p->group_m ? mt - g0 : p->group_m; /* row tiles in the band */
+    const int32_t local = r32 - band * per_band;
+    t->n = local / gm, t->m = g0 + local % gm;
+    return;
+  }
   if (p->group_m <= 0) {
     t->m = (int32_t)(r / nt), t->n = (int32_t)(r % nt);
     return;
@@ -115,8 +131,35 @@ MOK_HD int64_t mok_plan_num_tasks(const mok_task_plan_t *p) {
   return mok_plan_stage_start(p, p->E + mok_plan_lag(p)) + sd + p->t_tiles;
 }
 
-/* Task number i (0 <= i < mok_plan_num_tasks) of the global order. */
-MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
+/* The expert stage of task i (mok_plan_stage_start(s) <= i < the next stage's start, empty stages
+ * skipped), for i inside the expert stages. `hint`: the stage of an earlier task (0 if none). A
+ * CTA's next ticket is about one grid of tasks later, usually in the same stage or the next, so a
+ * few steps forward from the hint end most searches; the rest (past runs of empty experts, or a
+ * hint from a later task) take the binary search. */
+MOK_HD int32_t mok_plan_stage_of(const mok_task_plan_t *p, int64_t i, int32_t hint) {
+  int32_t lo = 0, hi = p->E + mok_plan_lag(p) - 1; /* the last stage s with stage_start(s) <= i */
+  if (hint > 0 && hint <= hi && mok_plan_stage_start(p, hint) <= i) {
+    lo = hint;
+    for (int n = 0; n < 4 && lo < hi; n++) {
+      if (mok_plan_stage_start(p, lo + 1) > i) {
+        hi = lo;
+        break;
+      }
+      lo++;
+    }
+  }
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (mok_plan_stage_start(p, mid) <= i) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+/* Task number i (0 <= i < mok_plan_num_tasks) of the global order. *stage: in, a hint for
+ * mok_plan_stage_of (the stage of an earlier task, or 0); out, the stage of task i when it is an
+ * expert task (unchanged otherwise). The task does not depend on the hint. */
+MOK_HD mok_task_t mok_plan_task_from(const mok_task_plan_t *p, int64_t i, int32_t *stage) {
   mok_task_t t = {MOK_TASK_REDUCE, -1, 0, 0};
   const int64_t sgu = mok_plan_sgu_count(p);
   if (i < sgu) {
@@ -124,15 +167,10 @@ MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
     mok_plan_tile(p, i, p->t_tiles, p->n_sgu, &t);
     return t;
   }
-  const int64_t experts_end = mok_plan_num_tasks(p) - (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd - p->t_tiles;
+  const int64_t experts_end = mok_plan_stage_start(p, p->E + mok_plan_lag(p));
   if (i < experts_end) {
-    int32_t lo = 0, hi = p->E + mok_plan_lag(p) - 1; /* the last stage s with stage_start(s) <= i */
-    while (lo < hi) {
-      const int32_t mid = (lo + hi + 1) / 2;
-      if (mok_plan_stage_start(p, mid) <= i) lo = mid;
-      else hi = mid - 1;
-    }
-    const int32_t s = lo;
+    const int32_t s = mok_plan_stage_of(p, i, *stage);
+    *stage = s;
     int64_t r = i - mok_plan_stage_start(p, s);
     const int32_t mt = s < p->E ? p->mt_pre[s + 1] - p->mt_pre[s] : 0;
     const int64_t gu = (int64_t)mt * p->n_gu;
@@ -155,6 +193,12 @@ MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
   }
   t.m = (int32_t)(r - sd);
   return t;
+}
+
+/* Task number i (0 <= i < mok_plan_num_tasks) of the global order. */
+MOK_HD mok_task_t mok_plan_task(const mok_task_plan_t *p, int64_t i) {
+  int32_t stage = 0;
+  return mok_plan_task_from(p, i, &stage);
 }
 
 #endif /* MOK_TASK_PLAN_H */

@@ -324,3 +324,68 @@ MOK_TEST(task_plan_edge_routings) {
   free(id);
   problem_free(&pb);
 }
+
+static int same_task(mok_task_t a, mok_task_t b) {
+  return a.kind == b.kind && a.expert == b.expert && a.m == b.m && a.n == b.n;
+}
+
+/* mok_plan_task_from gives the task of mok_plan_task whatever its stage hint (the stage of an
+ * earlier task, of a later one, out of range, or none), and reports the expert stage it found:
+ * with empty experts (E = 16 over 9 tokens), lags and bands; hints carried along strides of
+ * tasks as a CTA's tickets would be. */
+MOK_TEST(task_plan_stage_hints_do_not_change_tasks) {
+  int64_t checked = 0, bad = 0, bad_stage = 0;
+  for (int variant = 0; variant < 12; variant++) {
+    problem_t pb;
+    MOK_REQUIRE(problem_init(&pb, 5 + variant, variant < 6 ? 9 : 37, variant < 6 ? 16 : 6, 2,
+                             variant & 1, 3, 2));
+    pb.plan.lag = variant % 3 + 1;
+    pb.plan.group_m = variant % 4 == 3 ? 2 : 0;
+    const mok_task_plan_t *p = &pb.plan;
+    const int64_t n = mok_plan_num_tasks(p);
+    const int32_t stages = p->E + mok_plan_lag(p);
+    for (int64_t i = 0; i < n; i++) {
+      const mok_task_t want = mok_plan_task(p, i);
+      const int expert_task = want.kind == MOK_TASK_GATE_UP || want.kind == MOK_TASK_DOWN;
+      const int32_t want_stage = want.kind == MOK_TASK_GATE_UP ? want.expert
+                                 : want.kind == MOK_TASK_DOWN ? want.expert + mok_plan_lag(p)
+                                                              : -1;
+      for (int32_t h = -1; h <= stages + 1; h++) {
+        int32_t s = h;
+        bad += !same_task(mok_plan_task_from(p, i, &s), want);
+        bad_stage += expert_task ? s != want_stage : s != h;
+        checked++;
+      }
+    }
+    for (int64_t stride = 1; stride <= 13; stride += 4) {
+      int32_t s = 0;
+      for (int64_t i = stride % 3; i < n; i += stride) {
+        bad += !same_task(mok_plan_task_from(p, i, &s), mok_plan_task(p, i));
+        checked++;
+      }
+    }
+    problem_free(&pb);
+  }
+  MOK_EXPECT_MSG(bad == 0 && bad_stage == 0, "%lld of %lld lookups gave another task, %lld another stage",
+                 (long long)bad, (long long)checked, (long long)bad_stage);
+}
+
+/* A block too large for 32-bit tile arithmetic takes the 64-bit path, with the same tiles: in
+ * its whole bands a tile does not depend on the block's height, so a block of 70000 x 40000
+ * tiles must order its first bands as one of 24 x 40000 (32-bit path) does. */
+MOK_TEST(task_plan_tile_order_is_the_same_in_64_bits) {
+  mok_task_plan_t p;
+  memset(&p, 0, sizeof p);
+  int64_t bad = 0, checked = 0;
+  for (int32_t G = 0; G <= 8; G += 8) {
+    p.group_m = G;
+    for (int64_t r = 0; r < (int64_t)24 * 40000; r += 997) {
+      mok_task_t big = {0, 0, 0, 0}, small = {0, 0, 0, 0};
+      mok_plan_tile(&p, r, 70000, 40000, &big);
+      mok_plan_tile(&p, r, 24, 40000, &small);
+      bad += big.m != small.m || big.n != small.n;
+      checked++;
+    }
+  }
+  MOK_EXPECT_MSG(bad == 0, "%lld of %lld tiles differ", (long long)bad, (long long)checked);
+}
