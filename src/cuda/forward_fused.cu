@@ -127,7 +127,6 @@ typedef struct {
   int32_t group_m;      // the plan's row tiles per band (src/task_plan.h)
   int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
   int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
-  int32_t no_hint;      // PROBE
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -518,7 +517,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         break;
       }
       // The stage of this CTA's previous task starts the search (mok_plan_stage_of).
-      const mok_task_t t = p.no_hint ? mok_plan_task(&plan, i) : mok_plan_task_from(&plan, i, &stage);
+      const mok_task_t t = mok_plan_task_from(&plan, i, &stage);
       if (t.kind == MOK_TASK_REDUCE) {  // last in the order: every load of this CTA is issued
         fk_post(&ring, full, empty, s_tag, s_task, i, t, lt);
         fk_reduce(p, plan, t.m, i, wg, lt);
@@ -682,8 +681,6 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   // MOK_FUSED_GU_STAGED=0.
   const char *as_env = getenv("MOK_FUSED_A_STAGED");
   kp.a_staged = !(gs && gs[0] == '0') && !(as_env && as_env[0] == '0');
-  const char *nh = getenv("MOK_FUSED_NO_HINT");
-  kp.no_hint = nh && nh[0] == '1';
 
   int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
