@@ -3,8 +3,9 @@
  * flags and counters, bounded waits that report who waited for what, token dispatch to the other
  * ranks that hold a token's experts, and the combine that sends expert rows back to their home
  * rank and sums them in slot order. Only rows that change rank move: a token's row for its own
- * rank's experts, and those experts' result rows, stay where they are (the sum reads them there). The standalone kernel in transport.cu strings them together; the
- * persistent kernel will call the same functions from its communication CTAs.
+ * rank's experts, and those experts' result rows, stay where they are (the sum reads them there).
+ * The standalone kernel in transport.cu strings them together; the persistent kernel will call
+ * the same functions from its communication CTAs.
  *
  * Everything here sees raw peer pointers (mok_tp_params_t::peer, read once at setup by
  * nccl_window.cu) and our own counters; no NCCL device code.
