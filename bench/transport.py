@@ -180,8 +180,8 @@ def worker(rank, args, port, results):
             ok(lib, lib.mok_transport_create(ctypes.byref(tp), comm, ctypes.byref(desc)),
                "mok_transport_create")
             ok(lib, lib.mok_transport_layout(tp, T, idx.data_ptr(), sp), "layout")
-            ok(lib, lib.mok_transport_run(tp, DISPATCH | COMBINE | REDUCE, x.data_ptr(), y.data_ptr(),
-                                          sp), "run")
+            ok(lib, lib.mok_transport_run(tp, DISPATCH | COMBINE | REDUCE, x.data_ptr(),
+                                          y.data_ptr(), sp), "run")
             ok(lib, lib.mok_transport_check(tp), "check")
             correct = bool(torch.equal(y, want))
             correct = max_over_ranks(0.0 if correct else 1.0) == 0.0
@@ -205,7 +205,8 @@ def worker(rank, args, port, results):
                              "mok_ms": ms, "baseline_ms": base_ms,
                              "gbps": nbytes / ms / 1e6, "baseline_gbps": nbytes / base_ms / 1e6,
                              "bytes_per_direction": nbytes, "correct": correct})
-            # Ranks leave the timed loops together; a late COMBINE-only call must not outlive the window.
+            # Ranks leave the timed loops together; a late COMBINE-only call must not outlive the
+            # window.
             torch.cuda.synchronize()
             dist.barrier()
             ok(lib, lib.mok_transport_destroy(tp), "mok_transport_destroy")

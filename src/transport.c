@@ -312,7 +312,8 @@ mokResult_t mok_transport_run(mok_transport_t t, int phases, const void *x, void
   if (t->T < 0)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "mok_transport_run: call mok_transport_layout first");
-  if ((phases & (MOK_TP_DISPATCH | MOK_TP_REDUCE)) && (res = tp_check_rows(t, x, "x")) != MOK_SUCCESS)
+  if ((phases & (MOK_TP_DISPATCH | MOK_TP_REDUCE)) &&
+      (res = tp_check_rows(t, x, "x")) != MOK_SUCCESS)
     return res;
   if ((phases & MOK_TP_REDUCE) && (res = tp_check_rows(t, y, "y")) != MOK_SUCCESS) return res;
   int prev = 0;

@@ -366,8 +366,9 @@ MOK_TEST(task_plan_stage_hints_do_not_change_tasks) {
     }
     problem_free(&pb);
   }
-  MOK_EXPECT_MSG(bad == 0 && bad_stage == 0, "%lld of %lld lookups gave another task, %lld another stage",
-                 (long long)bad, (long long)checked, (long long)bad_stage);
+  MOK_EXPECT_MSG(bad == 0 && bad_stage == 0,
+                 "%lld of %lld lookups gave another task, %lld another stage", (long long)bad,
+                 (long long)checked, (long long)bad_stage);
 }
 
 /* A block too large for 32-bit tile arithmetic takes the 64-bit path, with the same tiles: in

@@ -242,8 +242,8 @@ __device__ __forceinline__ mok_task_t fk_task(const tp_ring_t *ring, const volat
 }
 
 // The producer warpgroup's share of one tile: k_blocks stages, the first tagged with the task
-// number and the task (fk_tag, read by the consumers). lt: thread within the warpgroup; tn: the task's trace
-// record.
+// number and the task (fk_tag, read by the consumers). lt: thread within the warpgroup; tn: the
+// task's trace record.
 __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
                                            uint8_t *smem, uint64_t *full, uint64_t *empty,
                                            volatile int64_t *s_tag, volatile int4 *s_task,
