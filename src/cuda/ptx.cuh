@@ -61,8 +61,13 @@ __device__ __forceinline__ void ptx_mbar_init(uint64_t *bar, uint32_t arrivals) 
                : "memory");
 }
 
+// Barriers are named by their shared-memory address (ptx_smem_addr) in the *_at forms: hot loops
+// compute it once, since converting a generic pointer costs several instructions at every use.
+__device__ __forceinline__ void ptx_mbar_arrive_at(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void ptx_mbar_arrive(uint64_t *bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(ptx_smem_addr(bar)) : "memory");
+  ptx_mbar_arrive_at(ptx_smem_addr(bar));
 }
 
 // One arrival on the barrier at the same offset in CTA `cta` of the cluster (possibly this one).
@@ -87,14 +92,14 @@ __device__ __forceinline__ void ptx_mbar_arrive_expect_tx(uint64_t *bar, uint32_
                : "memory");
 }
 
-__device__ __forceinline__ int ptx_mbar_try_wait(uint64_t *bar, uint32_t parity) {
+__device__ __forceinline__ int ptx_mbar_try_wait_at(uint32_t bar, uint32_t parity) {
   uint32_t ok;
   asm volatile(
       "{\n.reg .pred p;\n"
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
       "selp.u32 %0, 1, 0, p;\n}\n"
       : "=r"(ok)
-      : "r"(ptx_smem_addr(bar)), "r"(parity)
+      : "r"(bar), "r"(parity)
       : "memory");
   return (int)ok;
 }
@@ -105,12 +110,15 @@ __device__ __forceinline__ int ptx_mbar_try_wait(uint64_t *bar, uint32_t parity)
 #ifndef MOK_PTX_WAIT_TIMEOUT_NS
 #define MOK_PTX_WAIT_TIMEOUT_NS 20000000000ull  // 20 s
 #endif
-__device__ __forceinline__ void ptx_mbar_wait(uint64_t *bar, uint32_t parity) {
-  if (ptx_mbar_try_wait(bar, parity)) return;
+__device__ __forceinline__ void ptx_mbar_wait_at(uint32_t bar, uint32_t parity) {
+  if (ptx_mbar_try_wait_at(bar, parity)) return;
   uint64_t t0 = ptx_globaltimer_ns();
-  while (!ptx_mbar_try_wait(bar, parity)) {
+  while (!ptx_mbar_try_wait_at(bar, parity)) {
     if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) __trap();
   }
+}
+__device__ __forceinline__ void ptx_mbar_wait(uint64_t *bar, uint32_t parity) {
+  ptx_mbar_wait_at(ptx_smem_addr(bar), parity);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

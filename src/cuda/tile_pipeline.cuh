@@ -275,11 +275,17 @@ typedef struct {
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
 // e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into `part`), promoted into the
 // fp32 `total` on CUDA cores after every stage: the tensor cores' fp8 accumulator keeps too few
-// bits to run over all of K. The stage is released as soon as its wgmmas are complete; the other
-// consumer warpgroup keeps the tensor cores busy during the promotion. The scales of block kb + 1
-// are loaded during block kb (an L2 or DRAM load's latency is longer than one block's wgmmas).
-// NOTE: issuing in turns with the other warpgroup (ORDERED of the bf16 loop) measured slower here
-// on 11 of 12 benchmark cases (bench/NOTES.md, v10), so the two issue together.
+// bits to run over all of K. The stage is released as soon as its wgmmas are complete. The scales
+// of block kb + 1 are loaded during block kb (an L2 or DRAM load's latency is longer than one
+// block's wgmmas).
+// Unlike bf16's loop (one group in flight while the next is issued), this warpgroup's tensor work
+// stops from its wait to its next issue: the promotion needs `part`, and a second set of 64
+// registers does not fit. So the loop between the two is kept short: the barriers' and stage
+// descriptors' shared-memory addresses come from offsets fixed per tile, not from generic
+// pointers converted at every use (bench/NOTES.md v13: 0-7% faster at Qwen3-235B and DeepSeek-V3,
+// unchanged at Qwen3-30B).
+// NOTE: issuing in turns with the other warpgroup (ORDERED of the bf16 loop) measured 15-25%
+// slower here (v10, v13): the two warpgroups issue together.
 // idle: as for tp_consume_tile_bf16_n256 (no row of this warpgroup is stored; total undefined).
 template <int BM, int STAGES, int C_BYTES>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
@@ -292,6 +298,11 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
     tp_pass_tile<STAGES, 1>(ring, full, empty, k_blocks);
     return;
   }
+  const uint32_t full0 = ptx_smem_addr(full), empty0 = ptx_smem_addr(empty);
+  // Stage s's descriptors: stage 0's plus s stages in the start-address field (bits 0-13, in
+  // 16-byte units; shared memory ends below 2^18 bytes, so the field never carries).
+  const uint64_t da0 = ptx_desc_kmajor_sw128(smem + wg * 64 * MOK_TP_ROW_BYTES);
+  const uint64_t db0 = ptx_desc_kmajor_sw128(smem + P::A_BYTES);
   float part[64];
 #pragma unroll
   for (int i = 0; i < 64; i++) total[i] = 0.0f;
@@ -302,24 +313,22 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
     sb = sc.b[next];
     sa0 = sc.a0[next];
     sa1 = sc.a1[next];
-    ptx_mbar_wait(&full[ring->stage], ring->phase);
-    uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES + wg * 64 * MOK_TP_ROW_BYTES;
-    uint8_t *b_tile = smem + ring->stage * P::STAGE_BYTES + P::A_BYTES;
-    const uint64_t da = ptx_desc_kmajor_sw128(a_tile);
-    const uint64_t db = ptx_desc_kmajor_sw128(b_tile);
+    const uint32_t st = (uint32_t)ring->stage;
+    ptx_mbar_wait_at(full0 + 8 * st, ring->phase);
+    const uint64_t step = (uint64_t)(st * (P::STAGE_BYTES >> 4));
 #pragma unroll
     for (int i = 0; i < 64; i++) ptx_fence_operand(part[i]);
     ptx_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
       // k32 step of e4m3 = 32 bytes along the swizzled row = +2 in the descriptor's address
-      ptx_wgmma_m64n128k32_e4m3(part, da + 2 * kk, db + 2 * kk, kk != 0);
+      ptx_wgmma_m64n128k32_e4m3(part, da0 + step + 2 * kk, db0 + step + 2 * kk, kk != 0);
     }
     ptx_wgmma_commit_group();
     ptx_wgmma_wait_group<0>();
 #pragma unroll
     for (int i = 0; i < 64; i++) ptx_fence_operand(part[i]);
-    if (lane == 0) ptx_mbar_arrive(&empty[ring->stage]);
+    if (lane == 0) ptx_mbar_arrive_at(empty0 + 8 * st);
     tp_ring_advance<STAGES>(ring);
 #pragma unroll
     for (int j = 0; j < 16; j++) {  // acc[4j + e]: row +8 when e >= 2 (gemm_epilogue.cuh)
