@@ -173,7 +173,7 @@ mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
   /* Layout buffers and the error word. */
   {
     const int64_t T = t->d.max_tokens, K = t->d.top_k, E = t->d.num_experts, W = t->W;
-    const int64_t ints = T * K + T * W + W * E + W * W + E + 4 * W + 1;
+    const int64_t ints = T * K + T * W + W * E + W * W + E + 4 * W + 1 + 4;
     const size_t err_off = tp_align((size_t)ints * 4);
     TP_CUDA_GOTO(cudaMalloc(&t->dev, err_off + sizeof(mok_tp_error_t)), res, fail);
     TP_CUDA_GOTO(cudaMemset(t->dev, 0, err_off + sizeof(mok_tp_error_t)), res, fail);
@@ -187,6 +187,7 @@ mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
     t->lay.recv_tokens = p, p += W;
     t->lay.num_ctas = p, p += W;
     t->lay.valid = p, p += 1;
+    t->lay.claim = (uint32_t *)p, p += 4;
     t->err = (mok_tp_error_t *)((char *)t->dev + err_off);
   }
 

@@ -285,6 +285,7 @@ typedef struct {
   int32_t *recv_tokens;  /* [W] */
   int32_t *num_ctas;     /* [W] dispatch-and-combine CTAs of each rank (targets of counters) */
   int32_t *valid;        /* [1] 1 when every rank's routing and sizes were valid */
+  uint32_t *claim;       /* [4] work-item counters: dispatch, combine, by the call's parity */
 } mok_tp_layout_buf_t;
 
 typedef struct {

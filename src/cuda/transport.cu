@@ -44,6 +44,9 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
   __shared__ const char *warp_slots[TP_THREADS / 32 * 64];  // [warps, K] (K <= 64)
   __shared__ float warp_scales[TP_THREADS / 32 * 64];
 
+  // First, before any wait can fail: the next call's work-item counters.
+  if (p.phases & MOK_TP_DISPATCH) tp_claims_reset_next(p, TP_CLAIM_DISPATCH, p.disp_epoch);
+  if (p.phases & MOK_TP_COMBINE) tp_claims_reset_next(p, TP_CLAIM_COMBINE, p.comb_epoch);
   if (p.phases & MOK_TP_DISPATCH) {
     tp_dispatch_send(p);
     tp_cta_signal_ranks(p, p.win.disp_ctr);

@@ -11,7 +11,8 @@
  * nccl_window.cu) and our own counters; no NCCL device code.
  *
  * Counters never get cleared. Each CTA of a sender adds 1 to a counter per call, so after call
- * number `epoch` the receiver waits for epoch * (sender's CTAs); the host counts calls.
+ * number `epoch` the receiver waits for epoch * (sender's CTAs); the host counts calls. (The
+ * work-item counters, in ordinary device memory, are zeroed one call ahead: tp_claim.)
  *
  * Window regions (mok_tp_window_layout_t, same offsets on every rank):
  *   disp_ctr  [W] u64             dispatch counters, by source rank
@@ -37,7 +38,7 @@
 #include "cuda/ptx.cuh"
 
 #define TP_THREADS 512 /* threads of a communication CTA */
-#define TP_UNROLL 4    /* 16-byte chunks in flight per lane: 16 warps x 2 KB = 32 KB per SM */
+#define TP_UNROLL 8     /* 16-byte chunks in flight per lane: 16 warps x 4 KB = 64 KB per SM */
 
 static_assert(TP_THREADS % 32 == 0 && TP_THREADS <= 1024, "whole warps");
 static_assert(MOK_TP_MAX_RANKS <= 32, "one lane per rank in the waits");
@@ -198,14 +199,29 @@ __device__ __forceinline__ void tp_acc_bf16x2(float &a, float &b, uint32_t v) {
   b += tp_bf16_hi(v);
 }
 
-// Items (tokens, received rows) go to warps round-robin over the whole grid, so every SM mixes
-// remote and local destinations: a contiguous split would leave the SMs that hold the local
-// half (received positions are in source order) idle on NVLink.
+// The sum's tokens go to warps round-robin over the whole grid.
 __device__ __forceinline__ int64_t tp_grid_warp(void) {
   return (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
 }
 __device__ __forceinline__ int64_t tp_grid_warps(void) {
   return (int64_t)gridDim.x * (blockDim.x >> 5);
+}
+
+// The items that cross NVLink (dispatch's tokens, the combine's received tokens) are claimed one at
+// a time from a counter by whichever warp is free (lane 0 adds 1; the claim for the next item is
+// made while the current one moves). A warp moves an 8 KB row at ~1.3 GB/s (latency-bound), so a
+// static split that leaves some warps one item behind costs ~6 us at the end of every call:
+// claiming took dispatch from 321-329 to 342-354 GB/s (bench/NOTES.md v13). Consecutive items
+// still land on different SMs, so every SM mixes destinations. The counters are used by the
+// parity of the call (epoch) and each call zeroes the next call's (tp_claims_reset_next), so
+// nothing clears them between calls, and a call that failed half-way leaves its successor clean.
+enum { TP_CLAIM_DISPATCH = 0, TP_CLAIM_COMBINE = 2 };  // p.lay.claim[kind + epoch % 2]
+__device__ __forceinline__ int64_t tp_claim(uint32_t *ctr, int lane) {
+  return lane == 0 ? (int64_t)atomicAdd(ctr, 1u) : 0;
+}
+__device__ __forceinline__ void tp_claims_reset_next(const mok_tp_params_t &p, int kind,
+                                                     uint64_t epoch) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.lay.claim[kind + ((epoch + 1) & 1)] = 0;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -222,7 +238,10 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
   const int W = p.nranks;
   const int64_t K = p.K, H = p.H, chunks = H / 8;  // 16-byte chunks per row
   const int64_t meta_ints = K + 1;
-  for (int64_t t = tp_grid_warp(); t < p.T; t += tp_grid_warps()) {
+  uint32_t *claim = p.lay.claim + TP_CLAIM_DISPATCH + (p.disp_epoch & 1);
+  for (int64_t nx = tp_claim(claim, lane), t = __shfl_sync(0xffffffffu, nx, 0); t < p.T;
+       t = __shfl_sync(0xffffffffu, nx, 0)) {
+    nx = tp_claim(claim, lane);
     // Everything the token needs is loaded at once, so its row loads wait on one round trip, not
     // three: lane d the token's position on rank d, lane j in [1, K] slot j - 1's row and expert.
     const int32_t pos = (lane < W && lane != p.rank) ? p.lay.token_pos[t * W + lane] : -1;
@@ -305,7 +324,10 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
   // The other sources' positions: [0, own0) and [own1, end).
   const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
   const int64_t items = src_start[W] - (own1 - own0);
-  for (int64_t i = tp_grid_warp(); i < items; i += tp_grid_warps()) {
+  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (p.comb_epoch & 1);
+  for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
+       i = __shfl_sync(0xffffffffu, nx, 0)) {
+    nx = tp_claim(claim, lane);
     const int64_t q = i < own0 ? i : i + (own1 - own0);
     int s = 0;
     while (s + 1 < W && src_start[s + 1] <= q) s++;

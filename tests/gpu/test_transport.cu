@@ -113,22 +113,22 @@ MOK_TEST(transport_qwen3_rows_match_cpu_layout) {
   team_down(ranks);
 }
 
-// Rows longer than one load round of a warp (2 KB), the last round short: 1160 bf16 = 2 KB + 272
-// bytes, with 8 slots per token.
+// Rows longer than one load round of a warp (TP_UNROLL = 8 chunks of 16 bytes per lane: 4 KB), the
+// last round short: 2312 bf16 = 4 KB + 528 bytes, with 8 slots per token.
 MOK_TEST(transport_rows_longer_than_a_load_round) {
   SKIP_UNLESS_TWO_GPUS();
   rank_t ranks[W] = {};
   mok_transport_desc_t d = small_desc();
-  d.hidden = 1160;
+  d.hidden = 2312;
   d.num_experts = 16;
   d.top_k = 8;
   if (!team_up(ranks, &d)) return;
   make_rank(&ranks[0], 211, ROUTE_RANDOM, 9, 0);
   make_rank(&ranks[1], 300, ROUTE_FULL, -1, 0);
-  full_call(ranks, "H = 1160, call 1");
+  full_call(ranks, "H = 2312, call 1");
   make_rank(&ranks[0], 300, ROUTE_FULL, -1, 0);
   make_rank(&ranks[1], 17, ROUTE_RANDOM, -1, 0);
-  full_call(ranks, "H = 1160, call 2");
+  full_call(ranks, "H = 2312, call 2");
   team_down(ranks);
 }
 
