@@ -84,9 +84,11 @@ typedef struct {
 MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
 
 /* Tile r of a block of mt row tiles x nt column tiles, in the order described above. In 32-bit
- * arithmetic when the block's tiles fit (always, in practice): a 64-bit division is a long
- * subroutine on the GPU, and the persistent kernel's producer decodes a task between the last
- * stage of one tile and the first of the next. */
+ * arithmetic when the block's tiles fit: a 64-bit division is a long subroutine on the GPU, and
+ * the persistent kernel's producer decodes a task between the last stage of one tile and the first
+ * of the next. The fused launcher refuses plans of more than 2^30 tasks, so on the GPU the 64-bit
+ * path is only reached with a band size (MOK_TILE_GROUP) beyond any block; it keeps the function
+ * right for every input (the CPU tests compare the two). */
 MOK_HD void mok_plan_tile(const mok_task_plan_t *p, int64_t r, int32_t mt, int32_t nt,
                           mok_task_t *t) {
   if ((int64_t)(mt > p->group_m ? mt : p->group_m) * nt <= INT32_MAX) {

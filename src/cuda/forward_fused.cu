@@ -627,6 +627,19 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
                     "R = %lld out of range (H, I, Is multiples of 128)",
                     (long long)T, (long long)H, (long long)I, (long long)Is, (long long)E,
                     (long long)R);
+  {
+    // The tasks are dealt by a 32-bit ticket counter (each CTA takes one past the last), and the
+    // plan's tile arithmetic (mok_plan_tile) divides in 32 bits below 2^31 tiles: bound the count
+    // the plan can reach. Row tiles over all experts: at most R / 128 + E (one partial per expert).
+    const int64_t h_tiles = (H + FK_BN - 1) / FK_BN, t_tiles = (T + FK_BM - 1) / FK_BM;
+    const int64_t most = (R / FK_BM + E) * (I / 128 + h_tiles) +
+                         t_tiles * (Is / 128 + (Is > 0 ? h_tiles : 0) + 1);
+    if (most > INT32_MAX / 2)
+      return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                      "fused forward launch: up to %lld tasks (R = %lld, I = %lld, H = %lld), "
+                      "more than the task counter deals (2^30)",
+                      (long long)most, (long long)R, (long long)I, (long long)H);
+  }
   if (!fk_a16(l->x) || !fk_a16(l->y) || !fk_a16(l->yk) || !fk_a16(p->wg) || !fk_a16(p->wu) ||
       !fk_a16(p->wd) || !fk_a16(p->a) || (p->g_out && !fk_a16(p->g_out)) ||
       (p->u_out && !fk_a16(p->u_out)) ||

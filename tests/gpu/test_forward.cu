@@ -570,6 +570,10 @@ MOK_TEST(fwd_fused_launcher_rejects_bad_arguments) {
   MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.l.K = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.l.n_counters -= 1; MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  /* more tasks than the 32-bit ticket counter deals: 2^30 rows of capacity x 2^23 columns */
+  p = base; p.l.capacity_rows = (int64_t)1 << 30; p.l.E = 1; p.I = (int64_t)1 << 23;
+  p.l.n_counters = mok_fc_count(p.l.capacity_rows, 1, p.l.T);
+  MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.l.x = buf + 8;     MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.a = buf + 4;       MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.l.T = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_SUCCESS);
