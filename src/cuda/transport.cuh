@@ -209,8 +209,8 @@ __device__ __forceinline__ int64_t tp_grid_warps(void) {
 
 // The items that cross NVLink (dispatch's tokens, the combine's received tokens) are claimed one at
 // a time from a counter by whichever warp is free (lane 0 adds 1; the claim for the next item is
-// made while the current one moves). A warp moves an 8 KB row at ~1.3 GB/s (latency-bound), so a
-// static split that leaves some warps one item behind costs ~6 us at the end of every call:
+// made while the current one moves). A warp moves an 8 KB row at a few GB/s (latency-bound), so a
+// static split that leaves some warps one item behind costs microseconds at the end of each call:
 // claiming took dispatch from 321-329 to 342-354 GB/s (bench/NOTES.md v13). Consecutive items
 // still land on different SMs, so every SM mixes destinations. The counters are used by the
 // parity of the call (epoch) and each call zeroes the next call's (tp_claims_reset_next), so
