@@ -381,8 +381,8 @@ __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, cons
   const char **src = slots + (threadIdx.x >> 5) * K;
   float *scl = scales + (threadIdx.x >> 5) * K;
   for (int64_t t = tp_grid_warp(); t < p.T; t += tp_grid_warps()) {
-    // The used slots in slot order, packed to the front: each with its comb row, and a scale that
-    // is non-zero only for a local slot (computed from x; its comb row is never read).
+    // The used slots in slot order, packed to the front: a remote slot's comb row (scale 0) or a
+    // local slot's scale (row NULL).
     int n = 0, any_local = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;
@@ -397,7 +397,7 @@ __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, cons
       any_local |= __ballot_sync(0xffffffffu, local) != 0;
       if (used) {
         const int j = n + __popc(um & ((1u << lane) - 1u));
-        src[j] = comb + (t * K + k) * H * 2;
+        src[j] = local ? NULL : comb + (t * K + k) * H * 2;
         scl[j] = local ? tp_expert_scale(e) : 0.f;
       }
       n += __popc(um);
@@ -414,8 +414,9 @@ __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, cons
         uint4 v[8];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-          const int jj = j0 + j < n ? j0 + j : 0;
-          v[j] = tp_ld_peer_v4_if(src[jj] + c * 16, j0 + j < n && scl[jj] == 0.f);
+          const int used = j0 + j < n;
+          const char *r = src[used ? j0 + j : 0];
+          v[j] = tp_ld_peer_v4_if(r + c * 16, used && r != NULL);
         }
 #pragma unroll
         for (int j = 0; j < 8; j++) {
