@@ -382,7 +382,9 @@ __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, cons
   float *scl = scales + (threadIdx.x >> 5) * K;
   for (int64_t t = tp_grid_warp(); t < p.T; t += tp_grid_warps()) {
     // The used slots in slot order, packed to the front: a remote slot's comb row (scale 0) or a
-    // local slot's scale (row NULL).
+    // local slot's scale (row NULL). NOTE: the loads test the row and the sums the scale; testing
+    // the scale in the loads too (one marker) added a shared-memory read ahead of every load and
+    // made this latency-bound loop ~10% slower (bench/NOTES.md v13).
     int n = 0, any_local = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;
