@@ -74,12 +74,16 @@ $(BUILD)/mok_tests: $(TEST_OBJS) $(BUILD)/libmok.so
 $(BUILD)/mok_run: $(BUILD)/tools/mok_run.o $(BUILD)/libmok.so
 	$(CC) -o $@ $< -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lmok $(LDLIBS)
 
-# Fails when any kernel spills registers to local memory.
+# Fails when any kernel spills registers to local memory, or when ptxas serializes wgmma
+# (C7514/C7518: "wgmma.mma_async instructions are serialized"), which would silently undo a
+# pipelined mainloop (the two-set fp8 loop of tile_pipeline.cuh relies on it).
 check-spills: $(CUDA_OBJS)
 	@if ls $(BUILD)/ptxas/*.log >/dev/null 2>&1; then \
 	  if grep -h "spill" $(BUILD)/ptxas/*.log | grep -v " 0 bytes spill stores, 0 bytes spill loads" ; then \
 	    echo "register spills found (see $(BUILD)/ptxas/)"; exit 1; \
-	  else echo "no register spills in $(words $(CUDA_OBJS)) CUDA objects"; fi; \
+	  elif grep -h "wgmma.mma_async instructions are serialized" $(BUILD)/ptxas/*.log ; then \
+	    echo "ptxas serialized wgmma (see $(BUILD)/ptxas/)"; exit 1; \
+	  else echo "no register spills or serialized wgmma in $(words $(CUDA_OBJS)) CUDA objects"; fi; \
 	else echo "no CUDA objects built (nvcc not found)"; fi
 
 # The Python binding's tests first (they need numpy and pytest; torch tests skip without torch),

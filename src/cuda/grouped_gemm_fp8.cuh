@@ -8,14 +8,20 @@
  *   K % 128 == 0, N % 128 == 0 (scale blocks never straddle a tile)
  *
  * Same CTA shape as the bf16 kernel (1 producer + 2 consumer warpgroups, persistent, tiles from
- * tile_scheduler.cuh), with 128 x 128 tiles: the promotion keeps two accumulator sets (the
- * stage's partial sums and the fp32 total), 2 x 64 registers per thread, which with N = 256 would
- * not fit. A stage holds 128 reduction elements (128 bytes per row: the 128-byte swizzle span).
+ * tile_scheduler.cuh), with 128 x 128 tiles: the promotion keeps the stage's partial sums apart
+ * from the fp32 total, in two sets so that the next stage's wgmmas run while one is promoted
+ * (3 x 64 registers per thread; with N = 256 they would not fit). A stage holds 128 reduction
+ * elements (128 bytes per row: the 128-byte swizzle span).
  */
 #ifndef MOK_CUDA_GROUPED_GEMM_FP8_CUH
 #define MOK_CUDA_GROUPED_GEMM_FP8_CUH
 
 enum { GG8_BM = 128, GG8_BN = 128, GG8_BK = 128, GG8_STAGES = 6, GG8_C_BYTES = 2 * 64 * 128 * 2 };
+// Register split: the consumers hold two `part` sets and the fp32 total (192 registers) in the
+// mainloop (tile_pipeline.cuh), so they take 240 and the producer warpgroup (one thread issuing
+// TMA) keeps 24. ptxas gives the code after setmaxnreg.inc the larger budget; keep it spill-free.
+enum { GG8_PRODUCER_REGS = 24, GG8_CONSUMER_REGS = 240 };
+static_assert((GG8_PRODUCER_REGS + 2 * GG8_CONSUMER_REGS) * 128 <= 65536, "register file");
 
 template <int EPI>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
@@ -41,7 +47,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   gg_tile_t tile;
 
   if (wg == 0) {
-    ptx_setmaxnreg_dec<GG_PRODUCER_REGS>();
+    ptx_setmaxnreg_dec<GG8_PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       while (gg_sched_next(&sched, &tile)) {
         tp_b_source_t b;
@@ -54,24 +60,30 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       }
     }
   } else {
-    ptx_setmaxnreg_inc<GG_CONSUMER_REGS>();
+    ptx_setmaxnreg_inc<GG8_CONSUMER_REGS>();
     const int cw = wg - 1;
     const int lt = threadIdx.x & 127;
-    uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
     float total[64];  // [64, 128] fragment of this warpgroup
     while (gg_sched_next(&sched, &tile)) {
-      epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       // scale rows of this thread's two accumulator rows, clamped into the tensor (rows past the
       // group's end are computed but never stored)
-      const int64_t r0 = e.row < p.m_total ? e.row : p.m_total - 1;
-      const int64_t r1 = e.row + 8 < p.m_total ? e.row + 8 : p.m_total - 1;
-      tp_fp8_scales_t sc;
-      sc.a0 = p.a_scale + r0 * p.k_blocks;
-      sc.a1 = p.a_scale + r1 * p.k_blocks;
-      sc.b = p.b_scale + ((int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN) * p.k_blocks;
+      {
+        const int64_t row = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw).row;
+        const int64_t r0 = row < p.m_total ? row : p.m_total - 1;
+        const int64_t r1 = row + 8 < p.m_total ? row + 8 : p.m_total - 1;
+        tp_fp8_scales_t sc;
+        sc.a0 = p.a_scale + r0 * p.k_blocks;
+        sc.a1 = p.a_scale + r1 * p.k_blocks;
+        sc.b = p.b_scale + ((int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN) * p.k_blocks;
+        tp_consume_tile_fp8_n128<GG8_BM, GG8_STAGES, C_BYTES>(
+            &ring, smem, full, empty, p.k_blocks, cw, tile.row0 + 64 * cw >= tile.row_end, sc,
+            total);
+      }
+      // Everything else of the epilogue is computed after the mainloop, whose two `part` sets
+      // leave little room.
+      const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       const int wg_row0 = tile.row0 + 64 * cw;
-      tp_consume_tile_fp8_n128<GG8_BM, GG8_STAGES, C_BYTES>(
-          &ring, smem, full, empty, p.k_blocks, cw, wg_row0 >= tile.row_end, sc, total);
+      uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
       if (STAGED && wg_row0 + 64 <= tile.row_end) {
         // NOTE: as in gg_store_staged: wait until the previous stores have read the staging
         // area, and fence ordinary smem stores before the copy engine reads them.

@@ -277,6 +277,12 @@ __device__ __forceinline__ uint64_t ptx_desc_kmajor_sw128(const void *tile) {
   return desc;
 }
 
+// The high word of every ptx_desc_kmajor_sw128 descriptor (stride byte offset and swizzle mode):
+// loops that keep only the low word (the start address) in a register add it back at the issue.
+__device__ __forceinline__ uint64_t ptx_desc_kmajor_sw128_hi(void) {
+  return ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
 // Descriptor for an MN-major bf16 operand tile stored as chunks of 64 MN-elements: each chunk is
 // [k rows][128 bytes] with the 128-byte swizzle (TMA box [k, 64] of a [K, MN] row-major tensor).
 // Swizzle atoms are 8 k-rows x 64 MN-elements (1024 bytes): stride byte offset = 1024 between

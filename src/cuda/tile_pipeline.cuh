@@ -273,70 +273,126 @@ typedef struct {
 } tp_fp8_scales_t;
 
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
-// e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into `part`), promoted into the
-// fp32 `total` on CUDA cores after every stage: the tensor cores' fp8 accumulator keeps too few
-// bits to run over all of K. The stage is released as soon as its wgmmas are complete. The scales
-// of block kb + 1 are loaded during block kb (an L2 or DRAM load's latency is longer than one
-// block's wgmmas).
-// Unlike bf16's loop (one group in flight while the next is issued), this warpgroup's tensor work
-// stops from its wait to its next issue: the promotion needs `part`, and a second set of 64
-// registers does not fit. So the loop between the two is kept short: the barriers' and stage
-// descriptors' shared-memory addresses come from offsets fixed per tile, not from generic
-// pointers converted at every use (bench/NOTES.md v13: 0-7% faster at Qwen3-235B and DeepSeek-V3,
-// unchanged at Qwen3-30B).
+// e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into a `part` set), promoted
+// into the fp32 `total` on CUDA cores after every stage: the tensor cores' fp8 accumulator keeps
+// too few bits to run over all of K (DESIGN.md section 2).
+// Two `part` sets: block kb + 1 is issued into one before block kb, in the other, is waited for
+// (wait_group 1), released and promoted, so the tensor cores always have the next block while the
+// CUDA cores promote, as bf16's loop keeps one group in flight. With one set the warpgroup's
+// tensor work stopped from each wait to its next issue: a loop-only probe ran at 1312-1337 TF/s
+// with one set against 1536-1546 with two, and the grouped GEMM went from 0.68x-1.04x to
+// 0.83x-1.37x torch's rowwise fp8 (bench/NOTES.md v13). It costs 3 x 64 accumulator registers,
+// hence the fp8 kernel's 240-register consumers.
+// The scales of block kb + 1 are loaded when it is issued (an L2 load's latency hides behind one
+// block's wgmmas); barriers and descriptors are shared-memory offsets fixed per tile, not generic
+// pointers converted at every use (ncu: a third of the old loop's instructions).
 // NOTE: issuing in turns with the other warpgroup (ORDERED of the bf16 loop) measured 15-25%
-// slower here (v10, v13): the two warpgroups issue together.
+// slower (v10, v13): the two warpgroups issue together.
 // idle: as for tp_consume_tile_bf16_n256 (no row of this warpgroup is stored; total undefined).
+
+// da, db: the low words of K-major 128B-swizzle descriptors (ptx_desc_kmajor_sw128); their high
+// word is the same constant for every tile, so only the addresses take registers.
+__device__ __forceinline__ void tp_fp8_issue(float (&part)[64], uint32_t da, uint32_t db) {
+  const uint64_t hi = ptx_desc_kmajor_sw128_hi();
+#pragma unroll
+  for (int i = 0; i < 64; i++) ptx_fence_operand(part[i]);
+  ptx_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; kk++)  // k32 step of e4m3 = 32 bytes = +2 in the descriptor's address
+    ptx_wgmma_m64n128k32_e4m3(part, hi | (da + 2 * kk), hi | (db + 2 * kk), kk != 0);
+  ptx_wgmma_commit_group();
+}
+
+// total += part · (s0 rows, s1 rows + 8): acc[4j + e] is row +8 when e >= 2 (gemm_epilogue.cuh).
+// The caller has waited for part's wgmmas and fenced its registers (ptx_fence_operand) right
+// after the wait.
+__device__ __forceinline__ void tp_fp8_promote(float (&total)[64], float (&part)[64], float s0,
+                                               float s1) {
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    total[4 * j] += part[4 * j] * s0;
+    total[4 * j + 1] += part[4 * j + 1] * s0;
+    total[4 * j + 2] += part[4 * j + 2] * s1;
+    total[4 * j + 3] += part[4 * j + 3] * s1;
+  }
+}
+
+// Block kb is in flight in `cur` (stage *st_cur): issues block kb + 1 into `nxt` and loads its
+// scales, waits for block kb, releases its stage and promotes it with the scales (sa0, sa1) x sb
+// loaded one step earlier. The empty barriers follow the full ones (tp_plan: EMPTY_OFFSET =
+// FULL_OFFSET + 8 STAGES), so one offset names both.
+// NOTE: the caller keeps every wgmma and wait out of data-dependent branches (the loop below runs
+// whole pairs of steps, then a tail); with them inside one, ptxas serializes the wgmmas (C7518).
+template <int STAGES, int STAGE_BYTES>
+__device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uint32_t da0,
+                                            uint32_t db0, int kb, const tp_fp8_scales_t &sc,
+                                            float &sa0, float &sa1, float &sb, uint32_t *st_cur,
+                                            float (&cur)[64], float (&nxt)[64],
+                                            float (&total)[64]) {
+  const float s0 = sa0 * sb, s1 = sa1 * sb;
+  sb = sc.b[kb + 1];
+  sa0 = sc.a0[kb + 1];
+  sa1 = sc.a1[kb + 1];
+  const uint32_t st_next = (uint32_t)ring->stage;
+  ptx_mbar_wait_at(full0 + 8 * st_next, ring->phase);
+  const uint32_t step = st_next * (STAGE_BYTES >> 4);
+  tp_fp8_issue(nxt, da0 + step, db0 + step);
+  tp_ring_advance<STAGES>(ring);
+  ptx_wgmma_wait_group<1>();
+#pragma unroll
+  for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
+  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + *st_cur));  // empty
+  *st_cur = st_next;
+  tp_fp8_promote(total, cur, s0, s1);
+}
+
+// The last block, in `cur` (stage st): waits for everything, releases the stage, promotes.
+template <int STAGES>
+__device__ __forceinline__ void tp_fp8_last(uint32_t full0, uint32_t st, float s0, float s1,
+                                            float (&cur)[64], float (&total)[64]) {
+  ptx_wgmma_wait_group<0>();
+#pragma unroll
+  for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
+  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
+  tp_fp8_promote(total, cur, s0, s1);
+}
+
 template <int BM, int STAGES, int C_BYTES>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
                                                          uint64_t *full, uint64_t *empty,
                                                          int k_blocks, int wg, bool idle,
                                                          tp_fp8_scales_t sc, float (&total)[64]) {
   typedef tp_plan<BM, 128, STAGES, C_BYTES> P;
-  const int lane = threadIdx.x & 31;
+  static_assert(P::EMPTY_OFFSET == P::FULL_OFFSET + 8 * STAGES, "empty[] follows full[]");
   if (idle) {
     tp_pass_tile<STAGES, 1>(ring, full, empty, k_blocks);
     return;
   }
-  const uint32_t full0 = ptx_smem_addr(full), empty0 = ptx_smem_addr(empty);
-  // Stage s's descriptors: stage 0's plus s stages in the start-address field (bits 0-13, in
-  // 16-byte units; shared memory ends below 2^18 bytes, so the field never carries).
-  const uint64_t da0 = ptx_desc_kmajor_sw128(smem + wg * 64 * MOK_TP_ROW_BYTES);
-  const uint64_t db0 = ptx_desc_kmajor_sw128(smem + P::A_BYTES);
-  float part[64];
+  const uint32_t full0 = ptx_smem_addr(full);
+  const uint32_t da0 = (uint32_t)ptx_desc_kmajor_sw128(smem + wg * 64 * MOK_TP_ROW_BYTES);
+  const uint32_t db0 = (uint32_t)ptx_desc_kmajor_sw128(smem + P::A_BYTES);
+  float pa[64], pb[64];
 #pragma unroll
   for (int i = 0; i < 64; i++) total[i] = 0.0f;
-  float sb = sc.b[0], sa0 = sc.a0[0], sa1 = sc.a1[0];
-  for (int kb = 0; kb < k_blocks; kb++) {
-    const float s0 = sa0 * sb, s1 = sa1 * sb;
-    const int next = kb + 1 < k_blocks ? kb + 1 : kb;
-    sb = sc.b[next];
-    sa0 = sc.a0[next];
-    sa1 = sc.a1[next];
-    const uint32_t st = (uint32_t)ring->stage;
-    ptx_mbar_wait_at(full0 + 8 * st, ring->phase);
-    const uint64_t step = (uint64_t)(st * (P::STAGE_BYTES >> 4));
-#pragma unroll
-    for (int i = 0; i < 64; i++) ptx_fence_operand(part[i]);
-    ptx_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-      // k32 step of e4m3 = 32 bytes along the swizzled row = +2 in the descriptor's address
-      ptx_wgmma_m64n128k32_e4m3(part, da0 + step + 2 * kk, db0 + step + 2 * kk, kk != 0);
-    }
-    ptx_wgmma_commit_group();
-    ptx_wgmma_wait_group<0>();
-#pragma unroll
-    for (int i = 0; i < 64; i++) ptx_fence_operand(part[i]);
-    if (lane == 0) ptx_mbar_arrive_at(empty0 + 8 * st);
-    tp_ring_advance<STAGES>(ring);
-#pragma unroll
-    for (int j = 0; j < 16; j++) {  // acc[4j + e]: row +8 when e >= 2 (gemm_epilogue.cuh)
-      total[4 * j] += part[4 * j] * s0;
-      total[4 * j + 1] += part[4 * j + 1] * s0;
-      total[4 * j + 2] += part[4 * j + 2] * s1;
-      total[4 * j + 3] += part[4 * j + 3] * s1;
-    }
+  float sa0 = sc.a0[0], sa1 = sc.a1[0], sb = sc.b[0];
+  uint32_t st_cur = (uint32_t)ring->stage;
+  ptx_mbar_wait_at(full0 + 8 * st_cur, ring->phase);
+  tp_fp8_issue(pa, da0 + st_cur * (P::STAGE_BYTES >> 4), db0 + st_cur * (P::STAGE_BYTES >> 4));
+  tp_ring_advance<STAGES>(ring);
+  int kb = 0;
+  for (; kb + 2 < k_blocks; kb += 2) {  // blocks kb + 1 and kb + 2 exist: a pair of steps
+    tp_fp8_step<STAGES, P::STAGE_BYTES>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb, &st_cur, pa,
+                                        pb, total);
+    tp_fp8_step<STAGES, P::STAGE_BYTES>(ring, full0, da0, db0, kb + 1, sc, sa0, sa1, sb, &st_cur,
+                                        pb, pa, total);
+  }
+  // One or two blocks left (block kb in pa): issue the last if any, then wait for everything.
+  if (kb + 1 < k_blocks) {
+    tp_fp8_step<STAGES, P::STAGE_BYTES>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb, &st_cur, pa,
+                                        pb, total);
+    tp_fp8_last<STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pb, total);
+  } else {
+    tp_fp8_last<STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pa, total);
   }
 }
 

@@ -118,6 +118,18 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
   cudaFree(dc);
 }
 
+// The mainloop runs blocks in pairs, then a tail of one or two (tile_pipeline.cuh): K = 1, 2, 3 and
+// 5 blocks of 128 cover every tail, and one block alone.
+MOK_TEST(gemm_fp8_block_every_k_tail_matches_cpu) {
+  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  const int ks[] = {128, 256, 384, 640};
+  for (int i = 0; i < 4; i++) {
+    problem_t pr = make_problem(256, ks[i], {0, 130, 1, 64}, 3, 5);
+    check_fp8(pr, MOK_GG_EPI_STORE_BF16);
+    check_fp8(pr, MOK_GG_EPI_ACCUM_F32);
+  }
+}
+
 MOK_TEST(gemm_fp8_block_matches_cpu) {
   if (!gpu_present()) MOK_SKIP("no CUDA device");
   problem_t pr = make_problem(384, 512, {0, 1, 127, 128, 129, 0, 300, 64}, 5, 37);
