@@ -317,10 +317,21 @@ __device__ __forceinline__ void tp_fp8_promote(float (&total)[64], float (&part)
   }
 }
 
+// Waits until at most N wgmma groups are pending, so that block `cur` (stage st) has completed,
+// releases the stage (the empty barriers follow the full ones: tp_plan's EMPTY_OFFSET =
+// FULL_OFFSET + 8 STAGES, so one offset names both) and promotes cur with s0, s1.
+template <int N, int STAGES>
+__device__ __forceinline__ void tp_fp8_retire(uint32_t full0, uint32_t st, float s0, float s1,
+                                              float (&cur)[64], float (&total)[64]) {
+  ptx_wgmma_wait_group<N>();
+#pragma unroll
+  for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
+  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
+  tp_fp8_promote(total, cur, s0, s1);
+}
+
 // Block kb is in flight in `cur` (stage *st_cur): issues block kb + 1 into `nxt` and loads its
-// scales, waits for block kb, releases its stage and promotes it with the scales (sa0, sa1) x sb
-// loaded one step earlier. The empty barriers follow the full ones (tp_plan: EMPTY_OFFSET =
-// FULL_OFFSET + 8 STAGES), so one offset names both.
+// scales, then retires block kb with the scales (sa0, sa1) x sb loaded one step earlier.
 // NOTE: the caller keeps every wgmma and wait out of data-dependent branches (the loop below runs
 // whole pairs of steps, then a tail); with them inside one, ptxas serializes the wgmmas (C7518).
 template <int STAGES, int STAGE_BYTES>
@@ -338,23 +349,8 @@ __device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uin
   const uint32_t step = st_next * (STAGE_BYTES >> 4);
   tp_fp8_issue(nxt, da0 + step, db0 + step);
   tp_ring_advance<STAGES>(ring);
-  ptx_wgmma_wait_group<1>();
-#pragma unroll
-  for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
-  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + *st_cur));  // empty
+  tp_fp8_retire<1, STAGES>(full0, *st_cur, s0, s1, cur, total);
   *st_cur = st_next;
-  tp_fp8_promote(total, cur, s0, s1);
-}
-
-// The last block, in `cur` (stage st): waits for everything, releases the stage, promotes.
-template <int STAGES>
-__device__ __forceinline__ void tp_fp8_last(uint32_t full0, uint32_t st, float s0, float s1,
-                                            float (&cur)[64], float (&total)[64]) {
-  ptx_wgmma_wait_group<0>();
-#pragma unroll
-  for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
-  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
-  tp_fp8_promote(total, cur, s0, s1);
 }
 
 template <int BM, int STAGES, int C_BYTES>
@@ -390,9 +386,9 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   if (kb + 1 < k_blocks) {
     tp_fp8_step<STAGES, P::STAGE_BYTES>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb, &st_cur, pa,
                                         pb, total);
-    tp_fp8_last<STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pb, total);
+    tp_fp8_retire<0, STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pb, total);
   } else {
-    tp_fp8_last<STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pa, total);
+    tp_fp8_retire<0, STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pa, total);
   }
 }
 

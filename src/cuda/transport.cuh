@@ -38,7 +38,7 @@
 #include "cuda/ptx.cuh"
 
 #define TP_THREADS 512 /* threads of a communication CTA */
-#define TP_UNROLL 8     /* 16-byte chunks in flight per lane: 16 warps x 4 KB = 64 KB per SM */
+#define TP_UNROLL 8    /* 16-byte chunks in flight per lane: 16 warps x 4 KB = 64 KB per SM */
 
 static_assert(TP_THREADS % 32 == 0 && TP_THREADS <= 1024, "whole warps");
 static_assert(MOK_TP_MAX_RANKS <= 32, "one lane per rank in the waits");
