@@ -99,7 +99,7 @@ def print_kernel_times(model, label, fn):
         print(f"    {t:8.3f} ms  {name[:100]}")
 
 
-TRACE_PER_CTA, TRACE_FIELDS = 2048, 6  # src/cuda/forward_fused.cu: FK_TRACE_*
+TRACE_PER_CTA, TRACE_FIELDS = 2048, 8  # src/cuda/forward_fused.cu: FK_TRACE_*
 TASK_KINDS = ("SHARED_GATE_UP", "GATE_UP", "DOWN", "SHARED_DOWN", "REDUCE")  # src/task_plan.h
 
 
@@ -108,7 +108,9 @@ def print_fused_trace(model, fn):
     time went: per task kind its mainloops and epilogues, the idle time before its tasks (the
     consumers waiting for the first stage), and the idle tail; and, for the idle time, when the
     producer could start loading the task (its dependency met) and when its first stage was
-    issued, against the end of the consumers' previous task."""
+    issued, against the end of the consumers' previous task; and for tiles stored through the
+    staging buffer, how their epilogue splits into the first store round (GATE_UP: a), the other
+    rounds (g and u; DOWN's second half) and the release."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     buf = torch.zeros(sms * TRACE_PER_CTA * TRACE_FIELDS, dtype=torch.int64, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -125,6 +127,7 @@ def print_fused_trace(model, fn):
     # per kind: tasks, mainloop, epilogue, idle before; producer: dependency met, first stage
     # issued, first stage ready (each after the previous task's end; tile tasks only)
     stats = {k: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in TASK_KINDS}
+    rounds = {k: [0, 0.0, 0.0, 0.0] for k in TASK_KINDS}  # staged tiles: first / others / release
     tail = 0.0
     for c in ctas:
         prev_end = t0
@@ -138,6 +141,12 @@ def print_fused_trace(model, fn):
                 st[4] += (r[4] - prev_end) / 1e3
                 st[5] += (r[5] - prev_end) / 1e3
                 st[6] += (r[1] - prev_end) / 1e3
+            if r[6] > 0 and r[7] > 0:
+                rd = rounds[TASK_KINDS[r[0] >> 56]]
+                rd[0] += 1
+                rd[1] += (r[6] - r[2]) / 1e3
+                rd[2] += (r[7] - r[6]) / 1e3
+                rd[3] += (r[3] - r[7]) / 1e3
             prev_end = r[3]
         tail += (t1 - prev_end) / 1e3
     total = span * len(ctas)
@@ -150,6 +159,10 @@ def print_fused_trace(model, fn):
             print(f"    {k:15s} {n:6d}  {ml / n:8.1f} + {ep / n:6.1f} us   {100 * ml / total:5.1f}% "
                   f"/ {100 * ep / total:4.1f}% / {100 * idle / total:4.1f}%   "
                   f"{dep / n:6.1f} / {iss / n:6.1f} / {rdy / n:6.1f}")
+    for k, (n, first, rest, rel) in rounds.items():
+        if n:
+            print(f"    {k:15s} {n:6d} staged epilogues, mean us: first store round {first / n:.2f}"
+                  f", other rounds {rest / n:.2f}, release {rel / n:.2f}")
     print(f"    idle after the CTA's last task: {100 * tail / total:.1f}%")
 
 

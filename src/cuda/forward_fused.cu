@@ -113,10 +113,13 @@ typedef struct {
 // FK_TRACE_FIELDS. Consumer warpgroup 0 writes words 0-3: kind << 56 | task number, then
 // %globaltimer when the task's first stage is ready, when its mainloop ends, when its epilogue
 // and release end; the producer writes words 4-5: when the task's dependency is met (it starts
-// loading) and when its first stage is issued. Records past FK_TRACE_PER_CTA are dropped. The
+// loading) and when its first stage is issued; for a tile whose outputs go through the staging
+// buffer, consumer warpgroup 0 also writes words 6-7: when its first store round (GATE_UP: a;
+// DOWN: the first 128 columns) and its last one are issued, so the epilogue splits into the first
+// round, the other rounds and the release. Records past FK_TRACE_PER_CTA are dropped. The
 // caller provides grid x FK_TRACE_PER_CTA x FK_TRACE_FIELDS zeroed words.
 #define FK_TRACE_PER_CTA 2048
-#define FK_TRACE_FIELDS 6
+#define FK_TRACE_FIELDS 8
 
 typedef struct {
   mok_fwd_fused_params_t f;
@@ -196,6 +199,19 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
 __device__ __forceinline__ void fk_trace(const fk_params_t &p, uint32_t n, int f, uint64_t v) {
   if (p.trace && n < FK_TRACE_PER_CTA)
     p.trace[((size_t)blockIdx.x * FK_TRACE_PER_CTA + n) * FK_TRACE_FIELDS + f] = v;
+}
+// Records written by this CTA's tracing thread (consumer warpgroup 0's first thread): in shared
+// memory, so that the epilogue's trace points hold no register.
+__shared__ uint32_t fk_trace_n;
+// In the tracing thread, when tracing: the time now into field `f` of the current record.
+// NOTE: the address first, then the clock, so that no timestamp waits in a register (at 168
+// registers the compiler spilled one there).
+__device__ __forceinline__ void fk_trace_now(const fk_params_t &p, int f) {
+  if (p.trace && threadIdx.x == 128 && fk_trace_n < FK_TRACE_PER_CTA) {
+    volatile uint64_t *dst =
+        p.trace + ((size_t)blockIdx.x * FK_TRACE_PER_CTA + fk_trace_n) * FK_TRACE_FIELDS + f;
+    *dst = ptx_globaltimer_ns();
+  }
 }
 
 // Waits until counter `c` reaches `target` (acquire), or the timeout, or an abort.
@@ -376,7 +392,9 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_
     const int64_t row0 = d.row0 + 64 * cw;
     if (STAGED && row0 + 64 <= d.row_end) {  // all 64 rows in the expert: 2 rounds of 128 columns
       epi_store_staged_bf16<0, 0>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, bar, lt);
+      fk_trace_now(p, 6);
       epi_store_staged_bf16<1, 0>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, bar, lt);
+      fk_trace_now(p, 7);
     } else {
       epi_store_bf16<128>(acc, (__nv_bfloat16 *)f.l.yk, e);
     }
@@ -393,13 +411,16 @@ __device__ __forceinline__ void fk_epilogue(const fk_params_t &p, const fk_maps_
       // and u (only the backward reads them) drain under the next tile.
       epi_store_staged<0, 1, 0>(acc, stage_c, sh ? &m.as_st : &m.a_st, w, d.n0, d.n, (int)row0,
                                 bar, lt);
+      fk_trace_now(p, 6);
       if (g_out && u_out) {
         epi_store_staged<0, 0, 0>(acc, stage_c, sh ? &m.gs : &m.g, w, d.n0, d.n, (int)row0, bar,
                                   lt);
         epi_store_staged<16, 0, 0>(acc, stage_c, sh ? &m.us : &m.u, w, d.n0, d.n, (int)row0, bar,
                                    lt);
+        fk_trace_now(p, 7);
         fk_release<2>(p, d.done, 1u, cw, lt);
       } else {
+        fk_trace_now(p, 7);
         fk_release<0>(p, d.done, 1u, cw, lt);
       }
       return;
@@ -535,9 +556,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     const int cw = wg - 1;
     uint8_t *stage_c = smem + P::C_OFFSET + cw * fk_cfg<STAGED>::WG_C_BYTES;  // STAGED only
     uint32_t down_tiles = 0;
-    const bool tracer = cw == 0 && lt == 0;
-    __shared__ uint32_t s_trace_n;  // records written by this CTA's tracer
-    if (tracer) s_trace_n = 0;
+    const bool tracer = cw == 0 && lt == 0;  // threadIdx.x == 128: fk_trace_now's thread
+    if (tracer) fk_trace_n = 0;
     int64_t i;
     {
       float acc[128];  // dead after this loop (REDUCE tasks come last): REDUCE gets the registers
@@ -546,10 +566,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         if (i < 0) break;
         const mok_task_t t = fk_task(&ring, s_task);
         if (t.kind == MOK_TASK_REDUCE) break;
-        if (tracer) {
-          fk_trace(p, s_trace_n, 0, (uint64_t)t.kind << 56 | (uint64_t)i);
-          fk_trace(p, s_trace_n, 1, ptx_globaltimer_ns());
-        }
+        if (tracer) fk_trace(p, fk_trace_n, 0, (uint64_t)t.kind << 56 | (uint64_t)i);
+        fk_trace_now(p, 1);
         // Only what the mainloop needs is computed before it (the 128 accumulators leave few
         // registers); the rest of the tile's description after.
         const bool routed = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_DOWN;
@@ -563,24 +581,25 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                                                                                         : l.Is;
         tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0, ORDERED>(
             &ring, smem, full, empty, (int)(k / 64), cw, row0 + 64 * cw >= row_end, acc);
-        if (tracer) fk_trace(p, s_trace_n, 2, ptx_globaltimer_ns());
+        fk_trace_now(p, 2);
         fk_epilogue<STAGED>(p, m, fk_describe(p, m, plan, s_off, t), acc, w, stage_c, cw, lt);
         down_tiles += t.kind == MOK_TASK_DOWN;
-        if (tracer) fk_trace(p, s_trace_n++, 3, ptx_globaltimer_ns());
+        fk_trace_now(p, 3);
+        if (tracer) fk_trace_n++;
       }
     }
     fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, down_tiles, cw, lt);  // before REDUCE waits
     while (i >= 0) {  // REDUCE tasks until the end tag
       if (tracer) {
         const uint64_t now = ptx_globaltimer_ns();
-        fk_trace(p, s_trace_n, 0, (uint64_t)MOK_TASK_REDUCE << 56 | (uint64_t)i);
-        fk_trace(p, s_trace_n, 1, now);
-        fk_trace(p, s_trace_n, 2, now);
+        fk_trace(p, fk_trace_n, 0, (uint64_t)MOK_TASK_REDUCE << 56 | (uint64_t)i);
+        fk_trace(p, fk_trace_n, 1, now);
+        fk_trace(p, fk_trace_n, 2, now);
       }
       const int32_t block = fk_task(&ring, s_task).m;  // read before the stage is released
       fk_skip(&ring, empty);
       fk_reduce(p, plan, block, i, wg, lt);
-      if (tracer) fk_trace(p, s_trace_n++, 3, ptx_globaltimer_ns());
+      if (tracer) fk_trace(p, fk_trace_n++, 3, ptx_globaltimer_ns());
       i = fk_peek(&ring, full, s_tag);
     }
     fk_skip(&ring, empty);
