@@ -257,6 +257,9 @@ def run_case(lib, model, gemm, routing, args, gen):
         row.update({"mok_ms": None, "baseline_ms": None, "ratio": None, "tflops": None,
                     "baseline_tflops": None, "error": f"wrong result: rel err {err:.3g}, nan={nan}"})
         return row
+    if args.variants and args.variants != "all":
+        keep = args.variants.split(",")
+        variants = {k: v for k, v in variants.items() if k[4:-3] in keep}
     if args.variants:
         for name, fn in variants.items():
             out.fill_(float("nan"))
@@ -504,8 +507,9 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sms", type=int, default=0, help="persistent CTAs (0 = one per SM)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
-    ap.add_argument("--variants", action="store_true",
-                    help="also time MoK with 4 stages, 2-CTA clusters, direct stores")
+    ap.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
+                    help="also time MoK (bf16) in other configurations: 4stage, cluster2, "
+                         "direct_store, band8, band0; all of them, or a comma list")
     args = ap.parse_args()
     args.commit_resolved = git_commit(args.commit)
     lib = load_lib(args.lib)

@@ -20,8 +20,12 @@ enum { GG8_BM = 128, GG8_BN = 128, GG8_BK = 128, GG8_STAGES = 6, GG8_C_BYTES = 2
 // Register split: the consumers hold two `part` sets and the fp32 total (192 registers) in the
 // mainloop (tile_pipeline.cuh), so they take 240 and the producer warpgroup (one thread issuing
 // TMA) keeps 24. ptxas gives the code after setmaxnreg.inc the larger budget; keep it spill-free.
+// NOTE: the warpgroups trade registers within what the CTA was launched with (168 per thread,
+// __launch_bounds__(384, 1)), not the whole register file: with 32 + 2 x 240 the consumers'
+// setmaxnreg.inc waited forever for registers nobody had freed, and the producer's bounded wait
+// trapped (bench/NOTES.md v14).
 enum { GG8_PRODUCER_REGS = 24, GG8_CONSUMER_REGS = 240 };
-static_assert((GG8_PRODUCER_REGS + 2 * GG8_CONSUMER_REGS) * 128 <= 65536, "register file");
+static_assert(GG8_PRODUCER_REGS + 2 * GG8_CONSUMER_REGS <= 3 * 168, "the launch's registers");
 
 template <int EPI>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)

@@ -48,7 +48,8 @@ enum { GW_BM = 128, GW_BN = 256, GW_BK = 64, GW_STAGES_DIRECT = 4, GW_STAGES_STA
 // NOTE: ptxas allocates the whole kernel within the 168 registers of __launch_bounds__(384, 1);
 // the consumer path (128 accumulators + addressing) must fit in that.
 enum { GW_PRODUCER_REGS = 40, GW_CONSUMER_REGS = 232 };
-static_assert((GW_PRODUCER_REGS + 2 * GW_CONSUMER_REGS) * 128 <= 65536, "register file");
+static_assert(GW_PRODUCER_REGS + 2 * GW_CONSUMER_REGS <= 3 * 168,
+              "the launch's registers (grouped_gemm_fp8.cuh)");
 static_assert(GW_BK * MOK_TP_ROW_BYTES == MOK_TP_WGRAD_CHUNK_BYTES, "a chunk: 64 rows of 64 bf16");
 
 static_assert(tp_plan<GW_BM, GW_BN, GW_STAGES_DIRECT, 0>::STAGE_BYTES % 1024 == 0,
