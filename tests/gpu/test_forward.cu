@@ -478,12 +478,14 @@ static void fused_case(fwd_problem_t *p, const char *what) {
   }
   // Knobs that must not change a bit, on 3 CTAs: the consumer warpgroups issuing in turns with a,
   // g and u stored from registers and bands of 3 row tiles in the plan; g and u staged but a from
-  // registers, with bands of 8. (By default all three are staged, and these small weights give
+  // registers, with bands of 8; a GATE_UP tile's release at the end of its epilogue. (By default
+  // all three are staged, the release waits under the next tile, and these small weights give
   // no bands.)
-  const char *knobs[2][4] = {
+  const char *knobs[3][4] = {
       {"MOK_FUSED_ORDER=1", "MOK_FUSED_GU_STAGED=0", "MOK_TILE_GROUP=3", NULL},
-      {"MOK_FUSED_A_STAGED=0", "MOK_TILE_GROUP=8", NULL, NULL}};
-  for (int v = 0; v < 2; v++) {
+      {"MOK_FUSED_A_STAGED=0", "MOK_TILE_GROUP=8", NULL, NULL},
+      {"MOK_FUSED_DEFER=0", NULL, NULL, NULL}};
+  for (int v = 0; v < 3; v++) {
     char names[3][32];
     for (int k = 0; knobs[v][k]; k++) {
       snprintf(names[k], sizeof(names[k]), "%s", knobs[v][k]);
@@ -493,7 +495,7 @@ static void fused_case(fwd_problem_t *p, const char *what) {
     run_path(&g, p, "fused", "3", &y, &c, what);
     for (int k = 0; knobs[v][k]; k++) unsetenv(names[k]);
     MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with %s, %s, %s differs from the chain", what,
-                   knobs[v][0], knobs[v][1], knobs[v][2] ? knobs[v][2] : "-");
+                   knobs[v][0], knobs[v][1] ? knobs[v][1] : "-", knobs[v][2] ? knobs[v][2] : "-");
   }
   setenv("MOK_FUSED_GATHER", "kernel", 1);  // GATE_UP reads rows gathered by the chain's kernel
   setenv("MOK_FUSED_LAG", "1", 1);           // the plan's smallest lag
