@@ -386,7 +386,9 @@ __device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t
 // GATE_UP tile on the H200).
 // NOTE (deadlock freedom): the consumers defer it only past issuing the first stage of a tile
 // whose stage is already full, which waits on nothing; before a REDUCE or the end, or when the
-// next stage is not there yet (it may wait on this very counter), they release at once.
+// next stage is not there yet (it may wait on this very counter), they release at once. The
+// task-plan simulator checks this rule, and that deferring regardless of the next stage
+// deadlocks (tests/test_task_plan.c, task_plan_deferred_releases_never_deadlock).
 __device__ __forceinline__ void fk_release_deferred_now(uint32_t *ctr, int lt) {
   if (ctr && lt == 0) {
     ptx_bulk_wait_group<2>();
