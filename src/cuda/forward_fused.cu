@@ -362,19 +362,22 @@ __device__ __forceinline__ void fk_skip(tp_ring_t *ring, uint64_t *empty) {
 // no waiter of `c` reads), and fences against the generic release.
 // NOTE: bar.sync counts whole warps, so each warp reconverges first (the stores branch per lane);
 // likewise after the one-lane release, before the next tile's wgmma (.aligned).
+// fk_release_by: thread lt 0's part, for fk_release and for a deferred release.
+template <int PENDING>
+__device__ __forceinline__ void fk_release_by(uint32_t *ctr, uint32_t count) {
+  if (PENDING >= 0) {
+    ptx_bulk_wait_group<PENDING < 0 ? 0 : PENDING>();
+    ptx_fence_proxy_async_global();
+  }
+  __threadfence();
+  if (count) ptx_red_release_gpu_add(ctr, count);
+}
 template <int PENDING>
 __device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t count, int cw,
                                            int lt) {
   __syncwarp();
   ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
-  if (lt == 0) {
-    if (PENDING >= 0) {
-      ptx_bulk_wait_group<PENDING < 0 ? 0 : PENDING>();
-      ptx_fence_proxy_async_global();
-    }
-    __threadfence();
-    if (count) ptx_red_release_gpu_add(p.f.l.counters + c, count);
-  }
+  if (lt == 0) fk_release_by<PENDING>(p.f.l.counters + c, count);
   __syncwarp();
 }
 
@@ -390,12 +393,7 @@ __device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t
 // task-plan simulator checks this rule, and that deferring regardless of the next stage
 // deadlocks (tests/test_task_plan.c, task_plan_deferred_releases_never_deadlock).
 __device__ __forceinline__ void fk_release_deferred_now(uint32_t *ctr, int lt) {
-  if (ctr && lt == 0) {
-    ptx_bulk_wait_group<2>();
-    ptx_fence_proxy_async_global();
-    __threadfence();
-    ptx_red_release_gpu_add(ctr, 1u);
-  }
+  if (ctr && lt == 0) fk_release_by<2>(ctr, 1u);  // a's group: all but g's and u's complete
 }
 // As tp_consume_tile_bf16_n256's hook, for every thread of the warpgroup.
 struct fk_deferred_release {
