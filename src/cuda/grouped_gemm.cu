@@ -50,10 +50,11 @@ enum { GG_STAGES_DIRECT = 4 };
 
 // Register split after setmaxnreg: 40 (producer) + 2 x 232 (consumers) per 3 x 128 threads, the
 // 168 per thread the CTA is launched with: the warpgroups only trade those (a split beyond them
-// leaves setmaxnreg.inc waiting forever; grouped_gemm_fp8.cuh). NOTE: ptxas (13.0) reports "Used 168 registers", the
-// entry budget of __launch_bounds__(384, 1), but allocates the code after setmaxnreg.inc within
-// its count and reports spills against that (the fp8 kernel's consumers reach R236 at 240,
-// bench/NOTES.md v13); check -Xptxas -v after every change (make check-spills).
+// leaves setmaxnreg.inc waiting forever; grouped_gemm_fp8.cuh). NOTE: ptxas (13.0) reports
+// "Used 168 registers", the entry budget of __launch_bounds__(384, 1), but allocates the code
+// after setmaxnreg.inc within its count and reports spills against that (the fp8 kernel's
+// consumers reach R236 at 240, bench/NOTES.md v13); check -Xptxas -v after every change
+// (make check-spills).
 enum { GG_PRODUCER_REGS = 40, GG_CONSUMER_REGS = 232 };
 static_assert(GG_PRODUCER_REGS + 2 * GG_CONSUMER_REGS <= 3 * 168, "the launch's registers");
 

@@ -44,9 +44,8 @@
 enum { GW_BM = 128, GW_BN = 256, GW_BK = 64, GW_STAGES_DIRECT = 4, GW_STAGES_STAGED = 3,
        GW_C_BYTES = 2 * 2 * 64 * 128 * 2 };  // staging: 2 warpgroups x 2 rounds x [64, 128] bf16
 
-// Register split after setmaxnreg, as in grouped_gemm.cu: 40 (producer) + 2 x 232 (consumers).
-// NOTE: ptxas allocates the whole kernel within the 168 registers of __launch_bounds__(384, 1);
-// the consumer path (128 accumulators + addressing) must fit in that.
+// Register split after setmaxnreg, as in grouped_gemm.cu: 40 (producer) + 2 x 232 (consumers),
+// within the 168 per thread the CTA is launched with (grouped_gemm.cu's note).
 enum { GW_PRODUCER_REGS = 40, GW_CONSUMER_REGS = 232 };
 static_assert(GW_PRODUCER_REGS + 2 * GW_CONSUMER_REGS <= 3 * 168,
               "the launch's registers (grouped_gemm_fp8.cuh)");
