@@ -309,7 +309,8 @@ def main():
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="also time the fused forward with these environment knobs (same bits)")
     ap.add_argument("--profile", action="store_true",
-                    help="print the device time of each kernel of the fused forward and the chain")
+                    help="print the device time of each kernel of the fused forward and the chain, "
+                         "and the fused kernel's task trace")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []
