@@ -34,7 +34,7 @@ import sys
 import torch
 
 variants_names = ("mok_4stage_ms", "mok_cluster2_ms", "mok_direct_store_ms", "mok_band8_ms",
-                  "mok_band0_ms")
+                  "mok_band0_ms", "mok_lib_b_ms")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,6 +112,24 @@ def with_env(fn, env):
     return run
 
 
+def lib_b_variant(args, params, stream, out, first, what):
+    """{"mok_lib_b_ms": fn}: the same launch through the --lib-b library, after checking that it
+    writes the same bits as `first` (the default library's output) into `out`; {} without it."""
+    if not args.lib_b:
+        return {}
+
+    def mok_b():
+        rc = args.lib_b.mok_grouped_gemm_launch(ctypes.byref(params), ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"--lib-b: mok_grouped_gemm_launch returned {rc}")
+
+    out.fill_(float("nan"))
+    mok_b()
+    if not torch.equal(out.view(torch.int16), first.view(torch.int16)):
+        raise RuntimeError(f"{what}: --lib-b gives other bits")
+    return {"mok_lib_b_ms": mok_b}
+
+
 def counts_unaligned(routing, rows, experts, gen):
     if routing == "balanced":
         c = torch.full((experts,), rows // experts, dtype=torch.int64)
@@ -128,7 +146,10 @@ def counts_unaligned(routing, rows, experts, gen):
     return c[perm]
 
 
-def time_ms(fns, warmup, reps, rounds=3):
+TIME_ROUNDS = [3]  # --rounds
+
+
+def time_ms(fns, warmup, reps, rounds=None):
     """Median ms of each function. The functions are timed in alternating rounds of reps/rounds
     launches, so that a clock or thermal drift during the case affects all of them alike, in an
     order shuffled every round: the H200 runs at its 700 W power limit under these kernels, so its
@@ -139,6 +160,7 @@ def time_ms(fns, warmup, reps, rounds=3):
             fn()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
+    rounds = rounds or TIME_ROUNDS[0]
     per = max(1, reps // rounds)
     order = list(range(len(fns)))
     rng = random.Random(0)
@@ -260,7 +282,13 @@ def run_case(lib, model, gemm, routing, args, gen):
     if args.variants and args.variants != "all":
         keep = args.variants.split(",")
         variants = {k: v for k, v in variants.items() if k[4:-3] in keep}
-    if args.variants:
+    if not args.variants:
+        variants = {}
+    if args.lib_b:
+        out.fill_(float("nan"))
+        mok()
+        variants.update(lib_b_variant(args, p, stream, out, out.clone(), row["case"]))
+    if variants:
         for name, fn in variants.items():
             out.fill_(float("nan"))
             fn()
@@ -466,9 +494,12 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
                     "baseline_tflops": None, "error": f"wrong result: rel err {err:.3g}, nan={nan}"})
         return row
     if base_ok:
-        mok_ms, base_ms = time_ms([mok, base], args.warmup, args.reps)
+        extra = lib_b_variant(args, p, stream, out, out.clone(), row["case"])
+        times = time_ms([mok, base] + list(extra.values()), args.warmup, args.reps)
+        mok_ms, base_ms = times[:2]
         row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
                     "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9})
+        row.update(dict(zip(extra, times[2:])))
     else:
         (mok_ms,) = time_ms([mok], args.warmup, args.reps)
         row.update({"mok_ms": mok_ms, "baseline_ms": None, "ratio": None,
@@ -500,11 +531,17 @@ def describe(row):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default=os.path.join(ROOT, "build", "libmok.so"))
+    ap.add_argument("--lib-b", default=None, metavar="PATH",
+                    help="A/B: also time the GEMMs (bf16 and fp8) through this other libmok.so in "
+                         "the same rounds (it must give the same bits; column lib_b)")
     ap.add_argument("--jsonl", default=os.path.join(ROOT, "bench", "results", "gemm.jsonl"))
     ap.add_argument("--commit", default=None)
     ap.add_argument("--cases", default="", help="run only cases whose name contains this")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds the reps of each case are timed in (more: finer "
+                         "interleaving of MoK, torch and the variants)")
     ap.add_argument("--sms", type=int, default=0, help="persistent CTAs (0 = one per SM)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
     ap.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
@@ -512,7 +549,9 @@ def main():
                          "direct_store, band8, band0; all of them, or a comma list")
     args = ap.parse_args()
     args.commit_resolved = git_commit(args.commit)
+    TIME_ROUNDS[0] = max(1, args.rounds)
     lib = load_lib(args.lib)
+    args.lib_b = load_lib(args.lib_b) if args.lib_b else None
     gen = torch.Generator().manual_seed(1234)
     torch.manual_seed(1234)
     cases = [(f"{m}/{g}/{r}", run_case, (m, g, r)) for m in MODELS

@@ -75,6 +75,59 @@ typedef struct {
   const float *b_scale;    // fp8-block: [G, N/128, K/128]
 } gg_kernel_params_t;
 
+// How the consumers learn their tiles: the producer thread walks the order (gg_sched_next) and
+// posts each tile in a slot beside the ring stage that starts it (tp_produce_tile's tags), before
+// the arrival that the consumers' wait acquires; the slot is not reused before all consumer warps
+// have released that stage. A stage whose tag has group -1 and no data is the end.
+// Walking the order themselves, as they did before, the consumers paid its cost at the start of
+// every tile, on the tensor cores' critical path: a new group's offsets from global memory and a
+// 64-bit division, which at these shapes is nearly every tile (a group has about one wave of
+// units). With the tags the fp8 GEMM ran 1-3% faster at the large shapes and 12% at Qwen3-30B
+// down (bench/NOTES.md v15).
+__device__ __forceinline__ int4 gg_tag(const gg_tile_t &t) {
+  return make_int4(t.group, t.row0, t.row_end, t.n0);
+}
+
+// Producer thread, after the last tile: the end, at the ring's position once that stage is free.
+template <typename P>
+__device__ __forceinline__ void gg_post_end(tp_ring_t *ring, uint64_t *full, uint64_t *empty) {
+  ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+  ptx_st_shared_v4(ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET) + 16 * ring->stage,
+                   make_int4(-1, 0, 0, 0));
+  ptx_mbar_arrive(&full[ring->stage]);
+}
+
+// The plan's tags, as a pointer the compiler knows is shared memory (indexed from smem_raw: LDS
+// with 32-bit addresses).
+template <typename P>
+__device__ __forceinline__ const int4 *gg_tags(const uint8_t *smem_raw, const uint8_t *smem) {
+  return (const int4 *)(smem_raw + (smem + P::TAGS_OFFSET - smem_raw));
+}
+
+// Consumer: waits for the stage at the ring's position and reads the tile posted with it (the
+// stage is not consumed); 0 at the end.
+// NOTE: a wait that times out reads as the end instead of trapping as ptx_mbar_wait does: with a
+// trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; bench/NOTES.md v14). A
+// producer that never posts is itself stuck in a bounded wait, which traps.
+__device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, const int4 *tags,
+                                       gg_tile_t *t) {
+  const uint32_t bar = ptx_smem_addr(&full[ring->stage]);
+  if (!ptx_mbar_try_wait_at(bar, ring->phase)) {
+    const uint64_t t0 = ptx_globaltimer_ns();
+    while (!ptx_mbar_try_wait_at(bar, ring->phase))
+      if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) return 0;
+  }
+  // NOTE: a plain load (the wait's asm is a compiler barrier for memory). Through a volatile
+  // pointer, ptxas treated the rest of the loop as divergent and moved the wgmma descriptors into
+  // uniform registers before every wgmma (SASS of the first version, bench/NOTES.md v15).
+  const int4 v = tags[ring->stage];
+  t->group = v.x;
+  t->row0 = v.y;
+  t->row_end = v.z;
+  t->n0 = v.w;
+  return v.x >= 0;
+}
+
 // Staged store of output columns [128 H, 128 H + 128) of a consumer warpgroup's tile (or of its
 // 128 SwiGLU columns): gemm_epilogue.cuh's epi_store_staged on named barrier 1 + cw.
 // WAIT = -1 when round H has a buffer of its own (the 64 KB staging area), so that only the first
@@ -128,9 +181,11 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         b.map = &tm_b;
         b.k_row0 = tile.group * p.k_blocks * GG_BK_BF16;  // K % 64 == 0 for N-major B
         b.n0 = tile.n0;
-        tp_produce_tile_bn<GG_BM, GG_BN, STAGES, C_BYTES>(&ring, smem, full, empty, &tm_a,
-                                                          tile.row0, b, p.k_blocks);
+        tp_produce_tile_bn<GG_BM, GG_BN, STAGES, C_BYTES, 1>(&ring, smem, full, empty, &tm_a,
+                                                             tile.row0, b, p.k_blocks,
+                                                             gg_tag(tile));
       }
+      gg_post_end<P>(&ring, full, empty);
     } else if (threadIdx.x == 0) {
       while (gg_sched_next(&sched, &tile)) {
         tp_b_source_t b;
@@ -146,10 +201,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         // A row tile past its group's end (cluster padding) reads the group's last row onwards:
         // in bounds, and nothing of it is stored.
         const int a_row = tile.row0 < tile.row_end ? tile.row0 : tile.row_end - 1;
-        tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES, CLUSTER>(&ring, smem, full, empty, &tm_a,
-                                                                a_row, b, p.k_blocks, GG_BK_BF16,
-                                                                rank);
+        tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES, CLUSTER, 1>(
+            &ring, smem, full, empty, &tm_a, a_row, b, p.k_blocks, GG_BK_BF16, rank, gg_tag(tile));
       }
+      gg_post_end<P>(&ring, full, empty);
     }
   } else {
     ptx_setmaxnreg_inc<GG_CONSUMER_REGS>();
@@ -157,7 +212,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     const int lt = threadIdx.x & 127;   // thread within the warpgroup
     uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // [2 or 4][64][128 B]
     float acc[128];                     // [64, 256] fragment of this warpgroup
-    while (gg_sched_next(&sched, &tile)) {
+    const int4 *tags = gg_tags<P>(smem_raw, smem);
+    while (gg_peek(&ring, full, tags, &tile)) {
       epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       float2 w = make_float2(1.0f, 1.0f);
       if (EPI == MOK_GG_EPI_SWIGLU) w = epi_row_scales(p.row_scale, e);
@@ -252,7 +308,8 @@ typedef struct {
 template <int EPI, int STAGES, int TMA_STORE, int CLUSTER, int B_NMAJOR>
 static cudaError_t gg_launch_bf16(const gg_kernel_params_t *kp, const gg_maps_t *m, int grid,
                                   int grid_auto, cudaStream_t stream) {
-  const int bytes = tp_plan<GG_BM, GG_BN, STAGES, TMA_STORE ? GG_C_BYTES(STAGES) : 0>::ALLOC_BYTES;
+  typedef tp_plan<GG_BM, GG_BN, STAGES, TMA_STORE ? GG_C_BYTES(STAGES) : 0> P;
+  const int bytes = P::ALLOC_BYTES + P::TAGS_BYTES;
   void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap) =
       gg_bf16_kernel<EPI, STAGES, TMA_STORE, CLUSTER, B_NMAJOR>;
   cudaError_t err =

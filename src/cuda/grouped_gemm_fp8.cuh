@@ -58,17 +58,19 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         b.map_lo = b.map_hi = &tm_b;
         b.row_lo = tile.group * p.n + tile.n0;
         b.row_hi = b.row_lo;  // unused: BN = 128 is one box
-        tp_produce_tile<GG8_BM, GG8_BN, GG8_STAGES, C_BYTES, 1>(&ring, smem, full, empty, &tm_a,
-                                                                tile.row0, b, p.k_blocks, GG8_BK,
-                                                                0);
+        tp_produce_tile<GG8_BM, GG8_BN, GG8_STAGES, C_BYTES, 1, 1>(
+            &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, 0,
+            gg_tag(tile));
       }
+      gg_post_end<P>(&ring, full, empty);
     }
   } else {
     ptx_setmaxnreg_inc<GG8_CONSUMER_REGS>();
     const int cw = wg - 1;
     const int lt = threadIdx.x & 127;
     float total[64];  // [64, 128] fragment of this warpgroup
-    while (gg_sched_next(&sched, &tile)) {
+    const int4 *tags = gg_tags<P>(smem_raw, smem);
+    while (gg_peek(&ring, full, tags, &tile)) {
       // scale rows of this thread's two accumulator rows, clamped into the tensor (rows past the
       // group's end are computed but never stored)
       {
@@ -118,8 +120,8 @@ template <int EPI>
 static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const CUtensorMap *ma,
                                  const CUtensorMap *mb, const CUtensorMap *mc, int grid,
                                  cudaStream_t stream) {
-  const int bytes =
-      tp_plan<GG8_BM, GG8_BN, GG8_STAGES, EPI == MOK_GG_EPI_STORE_BF16 ? GG8_C_BYTES : 0>::ALLOC_BYTES;
+  typedef tp_plan<GG8_BM, GG8_BN, GG8_STAGES, EPI == MOK_GG_EPI_STORE_BF16 ? GG8_C_BYTES : 0> P;
+  const int bytes = P::ALLOC_BYTES + P::TAGS_BYTES;
   cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;

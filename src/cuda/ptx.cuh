@@ -61,6 +61,14 @@ __device__ __forceinline__ void ptx_mbar_init(uint64_t *bar, uint32_t arrivals) 
                : "memory");
 }
 
+// A 16-byte store to shared memory at a shared-window address (ptx_smem_addr), for a thread short
+// of registers: the address stays 32 bits (a generic pointer takes two).
+__device__ __forceinline__ void ptx_st_shared_v4(uint32_t addr, int4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // Barriers are named by their shared-memory address (ptx_smem_addr) in the *_at forms: hot loops
 // compute it once, since converting a generic pointer costs several instructions at every use.
 __device__ __forceinline__ void ptx_mbar_arrive_at(uint32_t bar) {

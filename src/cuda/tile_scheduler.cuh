@@ -8,8 +8,9 @@
  * column tile within a band and its row units fastest, so that the units that share a B tile
  * are taken together (what src/task_plan.h's mok_plan_tile does for the fused kernel). Cluster c
  * takes units c, c + clusters, c + 2 clusters, ..., and CTA rank r of the cluster takes row tile
- * r of each. The producer and the consumer warpgroups each walk this same
- * sequence through gg_sched_next: the loop is written once, so the roles cannot drift apart.
+ * r of each. The producer thread of each CTA walks this sequence through gg_sched_next and
+ * posts each tile beside the ring stage that starts it, where the consumer warpgroups read it
+ * (grouped_gemm.cu's gg_peek).
  *
  * There is no table: unit indices only grow, so each walker keeps a cursor (current group, units
  * before it) and reads the offsets of the next group from global memory when it passes one (two

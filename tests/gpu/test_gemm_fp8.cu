@@ -1,7 +1,8 @@
 /*
  * test_gemm_fp8.cu: the fp8-block path of the grouped GEMM (e4m3 operands, 1x128 activation and
  * 128x128 weight scales, promotion every 128 reduction elements) against fp64 sums on the host;
- * ragged and empty groups, rows outside every group untouched, bitwise run to run.
+ * ragged and empty groups, rows outside every group untouched, bitwise run to run and whatever
+ * the CTA count.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -68,13 +69,18 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
   MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "launch %d, cuda %s", (int)res,
                   cudaGetErrorString(err));
   cudaMemcpy(c.data(), dc, cbytes, cudaMemcpyDeviceToHost);
-  if (epi != MOK_GG_EPI_ACCUM_F32) {  // run to run: bitwise
-    cudaMemset(dc, 0xFF, cbytes);
-    MOK_REQUIRE(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
-    MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-    cudaMemcpy(c2.data(), dc, cbytes, cudaMemcpyDeviceToHost);
-    MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), cbytes) == 0, "fp8 epilogue %d: runs differ",
-                   (int)epi);
+  if (epi != MOK_GG_EPI_ACCUM_F32) {
+    // bitwise the same: run to run, and with a CTA per SM (most of them find no tile)
+    const char *what[2] = {"a second run", "a CTA per SM"};
+    for (int v = 0; v < 2; v++) {
+      p.num_sms = v == 1 ? 0 : 5;
+      cudaMemset(dc, 0xFF, cbytes);
+      MOK_REQUIRE(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
+      MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+      cudaMemcpy(c2.data(), dc, cbytes, cudaMemcpyDeviceToHost);
+      MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), cbytes) == 0, "fp8 epilogue %d: %s differs",
+                     (int)epi, what[v]);
+    }
   }
   int bad = 0;
   double worst_rel = 0;
