@@ -88,19 +88,20 @@ __device__ __forceinline__ int4 gg_tag(const gg_tile_t &t) {
   return make_int4(t.group, t.row0, t.row_end, t.n0);
 }
 
-// The plan's tags: their shared-window address (32 bits: a generic pointer would hold two
-// registers across the consumers' mainloop).
-template <typename P>
-__device__ __forceinline__ uint32_t gg_tags(const uint64_t *full) {
-  return ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET);
-}
-
 // Producer thread, after the last tile: the end, at the ring's position once that stage is free.
 template <typename P>
 __device__ __forceinline__ void gg_post_end(tp_ring_t *ring, uint64_t *full, uint64_t *empty) {
   ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-  ptx_st_shared_v4(gg_tags<P>(full) + 16 * ring->stage, make_int4(-1, 0, 0, 0));
+  ptx_st_shared_v4(ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET) + 16 * ring->stage,
+                   make_int4(-1, 0, 0, 0));
   ptx_mbar_arrive(&full[ring->stage]);
+}
+
+// The plan's tags, as a pointer the compiler knows is shared memory (indexed from smem_raw: LDS
+// with 32-bit addresses).
+template <typename P>
+__device__ __forceinline__ const int4 *gg_tags(const uint8_t *smem_raw, const uint8_t *smem) {
+  return (const int4 *)(smem_raw + (smem + P::TAGS_OFFSET - smem_raw));
 }
 
 // Consumer: waits for the stage at the ring's position and reads the tile posted with it (the
@@ -108,7 +109,7 @@ __device__ __forceinline__ void gg_post_end(tp_ring_t *ring, uint64_t *full, uin
 // NOTE: a wait that times out reads as the end instead of trapping as ptx_mbar_wait does: with a
 // trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; bench/NOTES.md v14). A
 // producer that never posts is itself stuck in a bounded wait, which traps.
-__device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, uint32_t tags,
+__device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, const int4 *tags,
                                        gg_tile_t *t) {
   const uint32_t bar = ptx_smem_addr(&full[ring->stage]);
   if (!ptx_mbar_try_wait_at(bar, ring->phase)) {
@@ -116,10 +117,10 @@ __device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, ui
     while (!ptx_mbar_try_wait_at(bar, ring->phase))
       if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) return 0;
   }
-  // NOTE: not through a volatile pointer: ptxas then treated the rest of the loop as divergent
-  // and moved the wgmma descriptors into uniform registers before every wgmma (SASS of the first
-  // version, bench/NOTES.md v15).
-  const int4 v = ptx_ld_shared_v4(tags + 16 * ring->stage);
+  // NOTE: a plain load (the wait's asm is a compiler barrier for memory). Through a volatile
+  // pointer, ptxas treated the rest of the loop as divergent and moved the wgmma descriptors into
+  // uniform registers before every wgmma (SASS of the first version, bench/NOTES.md v15).
+  const int4 v = tags[ring->stage];
   t->group = v.x;
   t->row0 = v.y;
   t->row_end = v.z;
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     const int lt = threadIdx.x & 127;   // thread within the warpgroup
     uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // [2 or 4][64][128 B]
     float acc[128];                     // [64, 256] fragment of this warpgroup
-    const uint32_t tags = gg_tags<P>(full);
+    const int4 *tags = gg_tags<P>(smem_raw, smem);
     while (gg_peek(&ring, full, tags, &tile)) {
       epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       float2 w = make_float2(1.0f, 1.0f);
@@ -292,10 +293,6 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   }
   if (p->dtype == MOK_GG_FP8_BLOCK) {
     if (!p->a_scale || !p->b_scale) return MOK_ERROR_NULL_POINTER;
-    // 32-bit element offsets into both scale tensors (tp_fp8_scales_t)
-    if (p->m_total * (p->k / 128) >= ((int64_t)1 << 31) ||
-        p->num_groups * (p->n / 128) * (p->k / 128) >= ((int64_t)1 << 31))
-      return MOK_ERROR_INVALID_SHAPE;
     if (((uintptr_t)p->a_scale & 3u) || ((uintptr_t)p->b_scale & 3u)) return MOK_ERROR_MISALIGNED;
     if (p->k % 128 != 0 || p->n % 128 != 0) return MOK_ERROR_INVALID_SHAPE;  // scale blocks
     if (p->b_layout != MOK_GG_B_KMAJOR || p->epilogue == MOK_GG_EPI_SWIGLU)

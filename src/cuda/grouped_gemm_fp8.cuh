@@ -27,22 +27,6 @@ enum { GG8_BM = 128, GG8_BN = 128, GG8_BK = 128, GG8_STAGES = 6, GG8_C_BYTES = 2
 enum { GG8_PRODUCER_REGS = 24, GG8_CONSUMER_REGS = 240 };
 static_assert(GG8_PRODUCER_REGS + 2 * GG8_CONSUMER_REGS <= 3 * 168, "the launch's registers");
 
-// The scale rows of this thread's two accumulator rows of the tile, clamped into the tensor (rows
-// past the group's end are computed but never stored), and the tile's weight-scale row.
-__device__ __forceinline__ tp_fp8_scales_t gg8_scales(const gg_kernel_params_t &p,
-                                                      const gg_tile_t &t, int cw) {
-  const int64_t row = epi_coords(t.row0, t.row_end, t.n0, p.n, p.n, cw).row;
-  const int64_t r0 = row < p.m_total ? row : p.m_total - 1;
-  const int64_t r1 = row + 8 < p.m_total ? row + 8 : p.m_total - 1;
-  tp_fp8_scales_t sc;
-  sc.a = p.a_scale;
-  sc.b = p.b_scale;
-  sc.a0 = (int)r0 * p.k_blocks;
-  sc.a1 = (int)r1 * p.k_blocks;
-  sc.b0 = (t.group * (p.n / GG8_BN) + t.n0 / GG8_BN) * p.k_blocks;
-  return sc;
-}
-
 template <int EPI>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     gg_fp8_kernel(const __grid_constant__ gg_kernel_params_t p,
@@ -85,20 +69,30 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     const int cw = wg - 1;
     const int lt = threadIdx.x & 127;
     float total[64];  // [64, 128] fragment of this warpgroup
-    const uint32_t tags = gg_tags<P>(full);
+    const int4 *tags = gg_tags<P>(smem_raw, smem);
     while (gg_peek(&ring, full, tags, &tile)) {
-      tp_consume_tile_fp8_n128<GG8_BM, GG8_STAGES, C_BYTES>(
-          &ring, smem, full, empty, p.k_blocks, cw, tile.row0 + 64 * cw >= tile.row_end,
-          gg8_scales(p, tile, cw), total);
+      // scale rows of this thread's two accumulator rows, clamped into the tensor (rows past the
+      // group's end are computed but never stored)
+      {
+        const int64_t row = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw).row;
+        const int64_t r0 = row < p.m_total ? row : p.m_total - 1;
+        const int64_t r1 = row + 8 < p.m_total ? row + 8 : p.m_total - 1;
+        tp_fp8_scales_t sc;
+        sc.a0 = p.a_scale + r0 * p.k_blocks;
+        sc.a1 = p.a_scale + r1 * p.k_blocks;
+        sc.b = p.b_scale + ((int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN) * p.k_blocks;
+        tp_consume_tile_fp8_n128<GG8_BM, GG8_STAGES, C_BYTES>(
+            &ring, smem, full, empty, p.k_blocks, cw, tile.row0 + 64 * cw >= tile.row_end, sc,
+            total);
+      }
       // Everything else of the epilogue is computed after the mainloop, whose two `part` sets
       // leave little room.
       const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       const int wg_row0 = tile.row0 + 64 * cw;
       uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
-      const bool staged = STAGED && wg_row0 + 64 <= tile.row_end;
-      // NOTE: as in gg_store_staged: wait until the previous stores have read the staging area,
-      // and fence ordinary smem stores before the copy engine reads them.
-      if (staged) {
+      if (STAGED && wg_row0 + 64 <= tile.row_end) {
+        // NOTE: as in gg_store_staged: wait until the previous stores have read the staging
+        // area, and fence ordinary smem stores before the copy engine reads them.
         if (lt == 0) ptx_bulk_wait_group_read<0>();
         ptx_named_barrier_sync(1 + cw, 128);
         epi_stage_bf16<64, 0, 16>(total, stage_c);

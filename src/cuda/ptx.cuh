@@ -69,18 +69,6 @@ __device__ __forceinline__ void ptx_st_shared_v4(uint32_t addr, int4 v) {
                : "memory");
 }
 
-// A 16-byte load from shared memory at a shared-window address. The asm is volatile, with a
-// memory clobber, to stay after the barrier wait that makes the data visible; the PTX load itself
-// is an ordinary one (a volatile C++ pointer would make it ld.volatile).
-__device__ __forceinline__ int4 ptx_ld_shared_v4(uint32_t addr) {
-  int4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-
 // Barriers are named by their shared-memory address (ptx_smem_addr) in the *_at forms: hot loops
 // compute it once, since converting a generic pointer costs several instructions at every use.
 __device__ __forceinline__ void ptx_mbar_arrive_at(uint32_t bar) {

@@ -297,14 +297,8 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
 
 // Scales of the fp8-block mainloop for one consumer thread (DESIGN.md section 2, fp8-block).
 typedef struct {
-  const float *a;   // a_scale [M_total, K/128]
-  const float *b;   // b_scale [G, N/128, K/128]
-  int a0, a1;       // where the rows of this thread's two accumulator rows start in a ([K/128] each)
-  int b0;           // where the tile's 128-column block of group g starts in b ([K/128])
-  // NOTE: 32-bit element offsets from the bases (the launcher bounds both tensors below 2^31
-  // elements), not three 64-bit row pointers: fewer registers in the mainloop, which is short of
-  // them (with a few more values live, ptxas recomputed the pointers inside it, ~20 instructions
-  // per pair of blocks, and the GEMM ran ~10% slower; bench/NOTES.md v15).
+  const float *a0, *a1;  // a_scale rows of this thread's two accumulator rows: [K/128] each
+  const float *b;        // b_scale [K/128] of the tile's 128-column block of group g
 } tp_fp8_scales_t;
 
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
@@ -376,9 +370,9 @@ __device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uin
                                             float (&cur)[64], float (&nxt)[64],
                                             float (&total)[64]) {
   const float s0 = sa0 * sb, s1 = sa1 * sb;
-  sb = sc.b[sc.b0 + kb + 1];
-  sa0 = sc.a[sc.a0 + kb + 1];
-  sa1 = sc.a[sc.a1 + kb + 1];
+  sb = sc.b[kb + 1];
+  sa0 = sc.a0[kb + 1];
+  sa1 = sc.a1[kb + 1];
   const uint32_t st_next = (uint32_t)ring->stage;
   ptx_mbar_wait_at(full0 + 8 * st_next, ring->phase);
   const uint32_t step = st_next * (STAGE_BYTES >> 4);
@@ -405,7 +399,7 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   float pa[64], pb[64];
 #pragma unroll
   for (int i = 0; i < 64; i++) total[i] = 0.0f;
-  float sa0 = sc.a[sc.a0], sa1 = sc.a[sc.a1], sb = sc.b[sc.b0];
+  float sa0 = sc.a0[0], sa1 = sc.a1[0], sb = sc.b[0];
   uint32_t st_cur = (uint32_t)ring->stage;
   ptx_mbar_wait_at(full0 + 8 * st_cur, ring->phase);
   tp_fp8_issue(pa, da0 + st_cur * (P::STAGE_BYTES >> 4), db0 + st_cur * (P::STAGE_BYTES >> 4));

@@ -71,13 +71,6 @@ MOK_TEST(gemm_launcher_rejects_bad_arguments) {
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.k = 192;  // K % 128
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
-  // fp8 scales are indexed with 32-bit element offsets: 2^31 of either is refused
-  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs;
-  p.m_total = (int64_t)1 << 28; p.k = 1024;  // a_scale: 2^28 rows x 8 blocks
-  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
-  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs;
-  p.num_groups = (int64_t)1 << 20; p.n = 1024; p.k = (int64_t)1 << 15;  // b_scale: 2^20 x 8 x 256
-  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = fs; p.b_scale = (const float *)(buf + 2);
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs;
