@@ -539,9 +539,11 @@ def main():
     ap.add_argument("--cases", default="", help="run only cases whose name contains this")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=None,
                     help="alternating rounds the reps of each case are timed in (more: finer "
-                         "interleaving of MoK, torch and the variants)")
+                         "interleaving of MoK, torch and the variants); default 3, or one launch "
+                         "per round (= --reps) with --lib-b: coarser rounds gave A/B results that "
+                         "flipped sign between runs (bench/NOTES.md v15)")
     ap.add_argument("--sms", type=int, default=0, help="persistent CTAs (0 = one per SM)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
     ap.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
@@ -549,7 +551,7 @@ def main():
                          "direct_store, band8, band0; all of them, or a comma list")
     args = ap.parse_args()
     args.commit_resolved = git_commit(args.commit)
-    TIME_ROUNDS[0] = max(1, args.rounds)
+    TIME_ROUNDS[0] = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
     lib = load_lib(args.lib)
     args.lib_b = load_lib(args.lib_b) if args.lib_b else None
     gen = torch.Generator().manual_seed(1234)
