@@ -82,8 +82,8 @@ typedef struct {
 // Walking the order themselves, as they did before, the consumers paid its cost at the start of
 // every tile, on the tensor cores' critical path: a new group's offsets from global memory and a
 // 64-bit division, which at these shapes is nearly every tile (a group has about one wave of
-// units). With the tags the fp8 GEMM ran 1-3% faster at the large shapes and 12% at Qwen3-30B
-// down (bench/NOTES.md v15).
+// units). With the tags the fp8 GEMM ran 3-7% faster at the benchmark shapes and bf16 0.1-4%
+// (bench/NOTES.md v15).
 __device__ __forceinline__ int4 gg_tag(const gg_tile_t &t) {
   return make_int4(t.group, t.row0, t.row_end, t.n0);
 }
@@ -92,8 +92,7 @@ __device__ __forceinline__ int4 gg_tag(const gg_tile_t &t) {
 template <typename P>
 __device__ __forceinline__ void gg_post_end(tp_ring_t *ring, uint64_t *full, uint64_t *empty) {
   ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-  ptx_st_shared_v4(ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET) + 16 * ring->stage,
-                   make_int4(-1, 0, 0, 0));
+  tp_post_tag<P>(full, ring->stage, make_int4(-1, 0, 0, 0));
   ptx_mbar_arrive(&full[ring->stage]);
 }
 

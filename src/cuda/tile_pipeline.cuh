@@ -122,6 +122,12 @@ typedef struct {
   int n0;
 } tp_b_nmajor_t;
 
+// Producer thread: the tag slot of `stage` (the plan's tags, after the barriers) gets `tag`.
+template <typename P>
+__device__ __forceinline__ void tp_post_tag(uint64_t *full, int stage, int4 tag) {
+  ptx_st_shared_v4(ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET) + 16 * stage, tag);
+}
+
 // Producer, one thread: loads the k_blocks stages of one tile. rank: this CTA's rank in the
 // cluster (CLUSTER = 2: it loads and multicasts B half `rank` only). TAGGED: the tile's first
 // stage, once free, gets `tag` in its slot of the plan's tags before the arrival that the
@@ -136,8 +142,7 @@ __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, 
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "a cluster of 2 splits B in halves");
   if (TAGGED) {  // before the loop, so that the tag's registers are free in it
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-    ptx_st_shared_v4(ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET) + 16 * ring->stage,
-                     tag);
+    tp_post_tag<P>(full, ring->stage, tag);
   }
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
@@ -169,8 +174,7 @@ __device__ __forceinline__ void tp_produce_tile_bn(tp_ring_t *ring, uint8_t *sme
   static_assert(BN % 64 == 0, "64-column chunks");
   if (TAGGED) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-    ptx_st_shared_v4(ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET) + 16 * ring->stage,
-                     tag);
+    tp_post_tag<P>(full, ring->stage, tag);
   }
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
