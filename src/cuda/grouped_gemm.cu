@@ -180,9 +180,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         b.map = &tm_b;
         b.k_row0 = tile.group * p.k_blocks * GG_BK_BF16;  // K % 64 == 0 for N-major B
         b.n0 = tile.n0;
-        tp_produce_tile_bn<GG_BM, GG_BN, STAGES, C_BYTES, 1>(&ring, smem, full, empty, &tm_a,
-                                                             tile.row0, b, p.k_blocks,
-                                                             gg_tag(tile));
+        tp_produce_tile_bn<GG_BM, GG_BN, STAGES, C_BYTES>(&ring, smem, full, empty, &tm_a,
+                                                          tile.row0, b, p.k_blocks, gg_tag(tile));
       }
       gg_post_end<P>(&ring, full, empty);
     } else if (threadIdx.x == 0) {
@@ -200,7 +199,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         // A row tile past its group's end (cluster padding) reads the group's last row onwards:
         // in bounds, and nothing of it is stored.
         const int a_row = tile.row0 < tile.row_end ? tile.row0 : tile.row_end - 1;
-        tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES, CLUSTER, 1>(
+        tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES, CLUSTER>(
             &ring, smem, full, empty, &tm_a, a_row, b, p.k_blocks, GG_BK_BF16, rank, gg_tag(tile));
       }
       gg_post_end<P>(&ring, full, empty);

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         b.map_lo = b.map_hi = &tm_b;
         b.row_lo = tile.group * p.n + tile.n0;
         b.row_hi = b.row_lo;  // unused: BN = 128 is one box
-        tp_produce_tile<GG8_BM, GG8_BN, GG8_STAGES, C_BYTES, 1, 1>(
+        tp_produce_tile<GG8_BM, GG8_BN, GG8_STAGES, C_BYTES, 1>(
             &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, 0,
             gg_tag(tile));
       }

@@ -48,8 +48,8 @@ struct tp_plan {
   static constexpr int FULL_OFFSET = C_OFFSET + C_BYTES;
   static constexpr int EMPTY_OFFSET = FULL_OFFSET + STAGES * 8;
   static constexpr int BYTES = EMPTY_OFFSET + STAGES * 8;
-  // Optional, beyond BYTES (a kernel that uses them allocates TAGS_BYTES more): an int4 per stage
-  // that tp_produce_tile's tags write (the tile the stage starts), right after the barriers.
+  // Beyond BYTES (a kernel whose producer uses tp_produce_tile or tp_produce_tile_bn allocates
+  // TAGS_BYTES more): an int4 per stage, the tile the stage starts, right after the barriers.
   static constexpr int TAGS_OFFSET = BYTES;
   static constexpr int TAGS_BYTES = STAGES * 16;
   static constexpr int ALLOC_BYTES = BYTES + 1024;  // slack to align the dynamic base
@@ -129,21 +129,19 @@ __device__ __forceinline__ void tp_post_tag(uint64_t *full, int stage, int4 tag)
 }
 
 // Producer, one thread: loads the k_blocks stages of one tile. rank: this CTA's rank in the
-// cluster (CLUSTER = 2: it loads and multicasts B half `rank` only). TAGGED: the tile's first
-// stage, once free, gets `tag` in its slot of the plan's tags before the arrival that the
-// consumers' wait acquires, so that consumers who do not know the order learn the tile there
-// (grouped_gemm.cu's gg_peek).
-template <int BM, int BN, int STAGES, int C_BYTES, int CLUSTER, int TAGGED>
+// cluster (CLUSTER = 2: it loads and multicasts B half `rank` only). The tile's first stage, once
+// free, gets `tag` in its slot of the plan's tags before the arrival that the consumers' wait
+// acquires: the consumers learn the tile there (grouped_gemm.cu's gg_peek).
+template <int BM, int BN, int STAGES, int C_BYTES, int CLUSTER>
 __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
                                                 uint64_t *empty, const CUtensorMap *map_a,
                                                 int a_row, tp_b_source_t b, int k_blocks,
                                                 int k_elems_per_block, int rank, int4 tag) {
   typedef tp_plan<BM, BN, STAGES, C_BYTES> P;
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "a cluster of 2 splits B in halves");
-  if (TAGGED) {  // before the loop, so that the tag's registers are free in it
-    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-    tp_post_tag<P>(full, ring->stage, tag);
-  }
+  // before the loop, so that the tag's registers are free in it
+  ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+  tp_post_tag<P>(full, ring->stage, tag);
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES;
@@ -163,19 +161,17 @@ __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, 
   }
 }
 
-// Producer, one thread, B N-major (no clusters): one tile's k_blocks stages (TAGGED, tag: as for
+// Producer, one thread, B N-major (no clusters): one tile's k_blocks stages (tag: as for
 // tp_produce_tile).
-template <int BM, int BN, int STAGES, int C_BYTES, int TAGGED>
+template <int BM, int BN, int STAGES, int C_BYTES>
 __device__ __forceinline__ void tp_produce_tile_bn(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
                                                    uint64_t *empty, const CUtensorMap *map_a,
                                                    int a_row, tp_b_nmajor_t b, int k_blocks,
                                                    int4 tag) {
   typedef tp_plan<BM, BN, STAGES, C_BYTES> P;
   static_assert(BN % 64 == 0, "64-column chunks");
-  if (TAGGED) {
-    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-    tp_post_tag<P>(full, ring->stage, tag);
-  }
+  ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+  tp_post_tag<P>(full, ring->stage, tag);
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES;
