@@ -112,11 +112,12 @@ def with_env(fn, env):
     return run
 
 
-def lib_b_variant(args, params, stream, out, first, what):
+def lib_b_variant(args, params, stream, out, what):
     """{"mok_lib_b_ms": fn}: the same launch through the --lib-b library, after checking that it
-    writes the same bits as `first` (the default library's output) into `out`; {} without it."""
+    writes into `out` the bits `out` holds now (the default library's output); {} without it."""
     if not args.lib_b:
         return {}
+    first = out.clone()
 
     def mok_b():
         rc = args.lib_b.mok_grouped_gemm_launch(ctypes.byref(params), ctypes.c_void_p(stream))
@@ -146,10 +147,7 @@ def counts_unaligned(routing, rows, experts, gen):
     return c[perm]
 
 
-TIME_ROUNDS = [3]  # --rounds
-
-
-def time_ms(fns, warmup, reps, rounds=None):
+def time_ms(fns, warmup, reps, rounds):
     """Median ms of each function. The functions are timed in alternating rounds of reps/rounds
     launches, so that a clock or thermal drift during the case affects all of them alike, in an
     order shuffled every round: the H200 runs at its 700 W power limit under these kernels, so its
@@ -160,7 +158,6 @@ def time_ms(fns, warmup, reps, rounds=None):
             fn()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
-    rounds = rounds or TIME_ROUNDS[0]
     per = max(1, reps // rounds)
     order = list(range(len(fns)))
     rng = random.Random(0)
@@ -284,10 +281,7 @@ def run_case(lib, model, gemm, routing, args, gen):
         variants = {k: v for k, v in variants.items() if k[4:-3] in keep}
     if not args.variants:
         variants = {}
-    if args.lib_b:
-        out.fill_(float("nan"))
-        mok()
-        variants.update(lib_b_variant(args, p, stream, out, out.clone(), row["case"]))
+    variants.update(lib_b_variant(args, p, stream, out, row["case"]))  # out: mok's, from above
     if variants:
         for name, fn in variants.items():
             out.fill_(float("nan"))
@@ -295,12 +289,13 @@ def run_case(lib, model, gemm, routing, args, gen):
             e = rel_err(out, ref)
             if not e < 1e-2:
                 raise RuntimeError(f"{model}/{gemm}/{routing}: variant {name} wrong ({e})")
-        times = time_ms([mok, base] + list(variants.values()), args.warmup, args.reps)
+        times = time_ms([mok, base] + list(variants.values()), args.warmup, args.reps,
+                        args.rounds)
         mok_ms, base_ms = times[:2]
         for name, t in zip(variants, times[2:]):
             row[name] = t
     else:
-        mok_ms, base_ms = time_ms([mok, base], args.warmup, args.reps)
+        mok_ms, base_ms = time_ms([mok, base], args.warmup, args.reps, args.rounds)
     row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
                 "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9})
     return row
@@ -393,7 +388,7 @@ def run_case_wgrad(lib, model, gemm, routing, args, gen):
                              f"direct == staged: {same_bits}"})
         return row
     mok_ms, base_ms, mok32_ms, direct_ms = time_ms([mok, base, mok32, mok_direct], args.warmup,
-                                                   args.reps)
+                                                   args.reps, args.rounds)
     row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
                 "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9,
                 "mok_f32_ms": mok32_ms, "mok_direct_store_ms": direct_ms})
@@ -494,14 +489,15 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
                     "baseline_tflops": None, "error": f"wrong result: rel err {err:.3g}, nan={nan}"})
         return row
     if base_ok:
-        extra = lib_b_variant(args, p, stream, out, out.clone(), row["case"])
-        times = time_ms([mok, base] + list(extra.values()), args.warmup, args.reps)
+        extra = lib_b_variant(args, p, stream, out, row["case"])  # out: mok's, from above
+        times = time_ms([mok, base] + list(extra.values()), args.warmup, args.reps,
+                        args.rounds)
         mok_ms, base_ms = times[:2]
         row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
                     "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9})
         row.update(dict(zip(extra, times[2:])))
     else:
-        (mok_ms,) = time_ms([mok], args.warmup, args.reps)
+        (mok_ms,) = time_ms([mok], args.warmup, args.reps, args.rounds)
         row.update({"mok_ms": mok_ms, "baseline_ms": None, "ratio": None,
                     "tflops": flops / mok_ms / 1e9, "baseline_tflops": None})
     row["rel_err_vs_baseline"] = err
@@ -551,7 +547,7 @@ def main():
                          "direct_store, band8, band0; all of them, or a comma list")
     args = ap.parse_args()
     args.commit_resolved = git_commit(args.commit)
-    TIME_ROUNDS[0] = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
+    args.rounds = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
     lib = load_lib(args.lib)
     args.lib_b = load_lib(args.lib_b) if args.lib_b else None
     gen = torch.Generator().manual_seed(1234)
