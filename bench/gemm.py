@@ -34,7 +34,7 @@ import sys
 import torch
 
 variants_names = ("mok_4stage_ms", "mok_cluster2_ms", "mok_direct_store_ms", "mok_band8_ms",
-                  "mok_band0_ms", "mok_lib_b_ms")
+                  "mok_band0_ms")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,23 +112,31 @@ def with_env(fn, env):
     return run
 
 
+def lib_b_name(i):
+    """Column of the i-th --lib-b library: mok_lib_b_ms, then mok_lib_b2_ms, mok_lib_b3_ms, ..."""
+    return "mok_lib_b_ms" if i == 0 else f"mok_lib_b{i + 1}_ms"
+
+
 def lib_b_variant(args, params, stream, out, what):
-    """{"mok_lib_b_ms": fn}: the same launch through the --lib-b library, after checking that it
-    writes into `out` the bits `out` holds now (the default library's output); {} without it."""
+    """{"mok_lib_b_ms": fn, ...}: the same launch through each --lib-b library, after checking that
+    each writes into `out` the bits `out` holds now (the default library's output); {} without."""
     if not args.lib_b:
         return {}
     first = out.clone()
+    fns = {}
+    for i, lib_b in enumerate(args.lib_b):
+        def mok_b(lib_b=lib_b):
+            rc = lib_b.mok_grouped_gemm_launch(ctypes.byref(params), ctypes.c_void_p(stream))
+            if rc != 0:
+                raise RuntimeError(f"--lib-b: mok_grouped_gemm_launch returned {rc}")
 
-    def mok_b():
-        rc = args.lib_b.mok_grouped_gemm_launch(ctypes.byref(params), ctypes.c_void_p(stream))
-        if rc != 0:
-            raise RuntimeError(f"--lib-b: mok_grouped_gemm_launch returned {rc}")
-
-    out.fill_(float("nan"))
-    mok_b()
-    if not torch.equal(out.view(torch.int16), first.view(torch.int16)):
-        raise RuntimeError(f"{what}: --lib-b gives other bits")
-    return {"mok_lib_b_ms": mok_b}
+        out.fill_(float("nan"))
+        mok_b()
+        if not torch.equal(out.view(torch.int16), first.view(torch.int16)):
+            raise RuntimeError(f"{what}: --lib-b library {i + 1} gives other bits")
+        fns[lib_b_name(i)] = mok_b
+    out.copy_(first)
+    return fns
 
 
 def counts_unaligned(routing, rows, experts, gen):
@@ -517,7 +525,8 @@ def describe(row):
     err = row.get("rel_err_vs_dequant_bf16", row.get("rel_err_vs_baseline"))
     out += f" | err {err:.2e}"
     if "mok_f32_ms" not in row:  # --variants
-        out += "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items() if k in variants_names)
+        out += "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items()
+                       if k in variants_names or k.startswith("mok_lib_b"))
     else:  # weight gradients
         out += (f" | mok fp32 out {row['mok_f32_ms']:.3f} ms | mok direct stores "
                 f"{row['mok_direct_store_ms']:.3f} ms | baseline {row['baseline']}")
@@ -527,12 +536,14 @@ def describe(row):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default=os.path.join(ROOT, "build", "libmok.so"))
-    ap.add_argument("--lib-b", default=None, metavar="PATH",
-                    help="A/B: also time the GEMMs (bf16 and fp8) through this other libmok.so in "
-                         "the same rounds (it must give the same bits; column lib_b)")
+    ap.add_argument("--lib-b", default=None, metavar="PATH[,PATH...]",
+                    help="A/B: also time the GEMMs (bf16 and fp8) through these other libmok.so "
+                         "builds in the same rounds (each must give the same bits; columns lib_b, "
+                         "lib_b2, ...)")
     ap.add_argument("--jsonl", default=os.path.join(ROOT, "bench", "results", "gemm.jsonl"))
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--cases", default="", help="run only cases whose name contains this")
+    ap.add_argument("--cases", default="",
+                    help="run only cases whose name contains this (or one of these, comma list)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=None,
@@ -549,7 +560,7 @@ def main():
     args.commit_resolved = git_commit(args.commit)
     args.rounds = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
     lib = load_lib(args.lib)
-    args.lib_b = load_lib(args.lib_b) if args.lib_b else None
+    args.lib_b = [load_lib(path) for path in args.lib_b.split(",")] if args.lib_b else []
     gen = torch.Generator().manual_seed(1234)
     torch.manual_seed(1234)
     cases = [(f"{m}/{g}/{r}", run_case, (m, g, r)) for m in MODELS
@@ -562,7 +573,7 @@ def main():
                   for g in ("gate_up", "down") for r in ("balanced", "skewed")]
     rows = []
     for name, run, (model, gemm, routing) in cases:
-        if args.cases and args.cases not in name:
+        if args.cases and not any(c in name for c in args.cases.split(",")):
             continue
         row = run(lib, model, gemm, routing, args, gen)
         rows.append(row)
