@@ -34,7 +34,7 @@ import sys
 import torch
 
 variants_names = ("mok_4stage_ms", "mok_cluster2_ms", "mok_direct_store_ms", "mok_band8_ms",
-                  "mok_band0_ms")
+                  "mok_band0_ms", "mok_rowmajor_scales_ms")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +58,8 @@ class Params(ctypes.Structure):  # mok_grouped_gemm_params_t
                 ("offsets", ctypes.c_void_p), ("c", ctypes.c_void_p),
                 ("row_scale", ctypes.c_void_p), ("g_out", ctypes.c_void_p),
                 ("u_out", ctypes.c_void_p), ("num_sms", ctypes.c_int),
-                ("a_scale", ctypes.c_void_p), ("b_scale", ctypes.c_void_p)]
+                ("a_scale", ctypes.c_void_p), ("b_scale", ctypes.c_void_p),
+                ("a_scale_ld", ctypes.c_int64)]
 
 
 class WgradParams(ctypes.Structure):  # mok_grouped_wgrad_params_t
@@ -110,6 +111,24 @@ def with_env(fn, env):
                 else:
                     os.environ[k] = v
     return run
+
+
+def same_bits_variants(args, table, out, what):
+    """The entries of table ({"mok_NAME_ms": fn}) that --variants selects, after checking that
+    each writes into `out` the bits `out` holds now (the default configuration's output)."""
+    if not args.variants:
+        return {}
+    if args.variants != "all":
+        keep = args.variants.split(",")
+        table = {k: v for k, v in table.items() if k[4:-3] in keep}
+    first = out.clone()
+    for name, fn in table.items():
+        out.fill_(float("nan"))
+        fn()
+        if not torch.equal(out.view(torch.int16), first.view(torch.int16)):
+            raise RuntimeError(f"{what}: variant {name} gives other bits")
+    out.copy_(first)
+    return table
 
 
 def lib_b_name(i):
@@ -452,12 +471,24 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
     p.dtype, p.b_layout, p.epilogue, p.offsets_int64 = FP8_BLOCK, KMAJOR, EPI_STORE_BF16, 0
     p.num_groups, p.m_total, p.n, p.k = E, R, N, K
     p.a, p.b, p.offsets, p.c = a_q.data_ptr(), w_q.data_ptr(), offs_mok.data_ptr(), out.data_ptr()
-    p.a_scale, p.b_scale = a_s.data_ptr(), w_s.data_ptr()
+    p.b_scale = w_s.data_ptr()
     p.num_sms = args.sms
     stream = torch.cuda.current_stream().cuda_stream
 
+    # activation scales K-block major, [K/128, R] (R % 4 == 0), the faster layout for MoK: it
+    # loads each tile's with its operands, through shared memory
+    a_s_t = a_s.t().contiguous()
+    p.a_scale, p.a_scale_ld = a_s_t.data_ptr(), R
+    p_r = Params.from_buffer_copy(p)  # the same scales row-major, [R, K/128]
+    p_r.a_scale, p_r.a_scale_ld = a_s.data_ptr(), 0
+
     def mok():
         rc = lib.mok_grouped_gemm_launch(ctypes.byref(p), ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
+
+    def mok_rowmajor_scales():
+        rc = lib.mok_grouped_gemm_launch(ctypes.byref(p_r), ctypes.c_void_p(stream))
         if rc != 0:
             raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
 
@@ -497,7 +528,10 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
                     "baseline_tflops": None, "error": f"wrong result: rel err {err:.3g}, nan={nan}"})
         return row
     if base_ok:
-        extra = lib_b_variant(args, p, stream, out, row["case"])  # out: mok's, from above
+        # MoK in other configurations, for the notes (same bits as the default)
+        extra = same_bits_variants(args, {"mok_rowmajor_scales_ms": mok_rowmajor_scales}, out,
+                                   row["case"])
+        extra.update(lib_b_variant(args, p, stream, out, row["case"]))  # out: mok's, from above
         times = time_ms([mok, base] + list(extra.values()), args.warmup, args.reps,
                         args.rounds)
         mok_ms, base_ms = times[:2]
@@ -554,8 +588,9 @@ def main():
     ap.add_argument("--sms", type=int, default=0, help="persistent CTAs (0 = one per SM)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
     ap.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
-                    help="also time MoK (bf16) in other configurations: 4stage, cluster2, "
-                         "direct_store, band8, band0; all of them, or a comma list")
+                    help="also time MoK in other configurations: 4stage, cluster2, "
+                         "direct_store, band8, band0 (bf16), rowmajor_scales (fp8); all of "
+                         "them, or a comma list")
     args = ap.parse_args()
     args.commit_resolved = git_commit(args.commit)
     args.rounds = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)

@@ -71,8 +71,9 @@ typedef struct {
   void *c;                 // [M_total, N] bf16 or fp32
   const float *row_scale;  // [M_total] (SwiGLU)
   void *g_out, *u_out;     // [M_total, N] bf16 (SwiGLU, optional)
-  const float *a_scale;    // fp8-block: [M_total, K/128]
+  const float *a_scale;    // fp8-block: [M_total, K/128], or [K/128, a_scale_ld]
   const float *b_scale;    // fp8-block: [G, N/128, K/128]
+  int64_t a_scale_ld;      // fp8-block: 0, or the row stride of K-block-major a_scale
 } gg_kernel_params_t;
 
 // How the consumers learn their tiles: the producer thread walks the order (gg_sched_next) and
@@ -292,6 +293,12 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   if (p->dtype == MOK_GG_FP8_BLOCK) {
     if (!p->a_scale || !p->b_scale) return MOK_ERROR_NULL_POINTER;
     if (((uintptr_t)p->a_scale & 3u) || ((uintptr_t)p->b_scale & 3u)) return MOK_ERROR_MISALIGNED;
+    if (p->a_scale_ld != 0) {  // K-block major: TMA rows of 16-byte multiples
+      if (p->a_scale_ld < p->m_total || p->a_scale_ld % 4 != 0 ||
+          p->a_scale_ld >= ((int64_t)1 << 31))
+        return MOK_ERROR_INVALID_SHAPE;
+      if ((uintptr_t)p->a_scale & 15u) return MOK_ERROR_MISALIGNED;
+    }
     if (p->k % 128 != 0 || p->n % 128 != 0) return MOK_ERROR_INVALID_SHAPE;  // scale blocks
     if (p->b_layout != MOK_GG_B_KMAJOR || p->epilogue == MOK_GG_EPI_SWIGLU)
       return MOK_ERROR_NOT_IMPLEMENTED;  // fp8 wgmma reads both operands K-major
@@ -406,25 +413,32 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
                                 (p->dtype == MOK_GG_FP8_BLOCK ? 1 : 2));
 
   kp.a_scale = p->a_scale;
+  kp.a_scale_ld = p->a_scale_ld;
   kp.b_scale = p->b_scale;
   cudaStream_t s = (cudaStream_t)stream;
   if (p->dtype == MOK_GG_FP8_BLOCK) {
     kp.k_blocks = (int)(p->k / GG8_BK);
     kp.bn_out = GG8_BN;
     kp.n_tiles = (int)(p->n / GG8_BN);
-    CUtensorMap ma, mb, mc;
+    CUtensorMap ma, mb, mc, ms;
     if (tma_encode_e4m3_sw128(&ma, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG8_BM) ||
         tma_encode_e4m3_sw128(&mb, p->b, (uint64_t)(p->num_groups * p->n), (uint64_t)p->k, 128))
       return MOK_ERROR_CUDA;
-    mc = ma;  // unused unless bf16 output
+    mc = ms = ma;  // unused unless bf16 output, K-block major a_scale
     if (p->epilogue == MOK_GG_EPI_STORE_BF16 &&
         tma_encode_bf16_sw128(&mc, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64))
       return MOK_ERROR_CUDA;
-    cudaError_t err = p->epilogue == MOK_GG_EPI_STORE_BF16
-                          ? gg_launch_fp8<MOK_GG_EPI_STORE_BF16>(&kp, &ma, &mb, &mc, grid, s)
-                      : p->epilogue == MOK_GG_EPI_STORE_F32
-                          ? gg_launch_fp8<MOK_GG_EPI_STORE_F32>(&kp, &ma, &mb, &mc, grid, s)
-                          : gg_launch_fp8<MOK_GG_EPI_ACCUM_F32>(&kp, &ma, &mb, &mc, grid, s);
+    const int smem_a = p->a_scale_ld != 0;
+    if (smem_a && tma_encode_f32_rows(&ms, p->a_scale, (uint64_t)kp.k_blocks,
+                                      (uint64_t)p->a_scale_ld,
+                                      (uint32_t)(p->a_scale_ld < GG8_SCALE_BOX ? p->a_scale_ld
+                                                                               : GG8_SCALE_BOX)))
+      return MOK_ERROR_CUDA;
+#define GG8_LAUNCH(EPI) gg_launch_fp8_config<EPI>(&kp, &ma, &mb, &mc, &ms, smem_a, grid, s)
+    cudaError_t err = p->epilogue == MOK_GG_EPI_STORE_BF16 ? GG8_LAUNCH(MOK_GG_EPI_STORE_BF16)
+                      : p->epilogue == MOK_GG_EPI_STORE_F32 ? GG8_LAUNCH(MOK_GG_EPI_STORE_F32)
+                                                            : GG8_LAUNCH(MOK_GG_EPI_ACCUM_F32);
+#undef GG8_LAUNCH
     return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
   }
 

@@ -69,8 +69,13 @@ typedef struct {
   void *g_out, *u_out;       /* SwiGLU only, optional: [m_total, N] bf16 */
   int num_sms;               /* CTAs of the persistent grid; 0 = one per SM (as many as can be
                                 resident at once); else taken as given (rounded to the cluster) */
-  const float *a_scale;      /* fp8-block: [m_total, K/128] fp32, scale of A[r, 128 kb ..] */
+  const float *a_scale;      /* fp8-block: scale of A[r, 128 kb ..], fp32, [m_total, K/128]
+                                (a_scale_ld = 0) or [K/128, a_scale_ld] (a_scale_ld > 0) */
   const float *b_scale;      /* fp8-block: [G, N/128, K/128] fp32, 128x128 blocks of B[g] */
+  int64_t a_scale_ld;        /* fp8-block: 0, or the row stride of a_scale stored K-block major
+                                (>= m_total, a multiple of 4; a_scale 16-byte aligned): each K
+                                block's row scales are then contiguous, and the kernel loads a
+                                tile's with the tile's operands (faster) */
 } mok_grouped_gemm_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,

@@ -69,6 +69,15 @@ __device__ __forceinline__ void ptx_st_shared_v4(uint32_t addr, int4 v) {
                : "memory");
 }
 
+// A 4-byte load from shared memory at a shared-window address. NOTE: volatile, with a memory
+// clobber: the same address holds new data every round of a ring, so the load must stay after the
+// barrier wait that announces it.
+__device__ __forceinline__ float ptx_ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 // Barriers are named by their shared-memory address (ptx_smem_addr) in the *_at forms: hot loops
 // compute it once, since converting a generic pointer costs several instructions at every use.
 __device__ __forceinline__ void ptx_mbar_arrive_at(uint32_t bar) {

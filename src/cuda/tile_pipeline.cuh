@@ -128,15 +128,24 @@ __device__ __forceinline__ void tp_post_tag(uint64_t *full, int stage, int4 tag)
   ptx_st_shared_v4(ptx_smem_addr(full) + (P::TAGS_OFFSET - P::FULL_OFFSET) + 16 * stage, tag);
 }
 
+// What else the producer loads into each stage (the fp8 kernel's activation scales): called after
+// the stage's operand loads with the stage, its K block and its full barrier, on which its copies
+// complete extra_tx() bytes.
+struct tp_no_stage_hook {
+  __device__ __forceinline__ uint32_t extra_tx() const { return 0; }
+  __device__ __forceinline__ void operator()(int, int, uint64_t *) const {}
+};
+
 // Producer, one thread: loads the k_blocks stages of one tile. rank: this CTA's rank in the
 // cluster (CLUSTER = 2: it loads and multicasts B half `rank` only). The tile's first stage, once
 // free, gets `tag` in its slot of the plan's tags before the arrival that the consumers' wait
 // acquires: the consumers learn the tile there (grouped_gemm.cu's gg_peek).
-template <int BM, int BN, int STAGES, int C_BYTES, int CLUSTER>
+template <int BM, int BN, int STAGES, int C_BYTES, int CLUSTER, class StageHook = tp_no_stage_hook>
 __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
                                                 uint64_t *empty, const CUtensorMap *map_a,
                                                 int a_row, tp_b_source_t b, int k_blocks,
-                                                int k_elems_per_block, int rank, int4 tag) {
+                                                int k_elems_per_block, int rank, int4 tag,
+                                                StageHook hook = StageHook()) {
   typedef tp_plan<BM, BN, STAGES, C_BYTES> P;
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "a cluster of 2 splits B in halves");
   // before the loop, so that the tag's registers are free in it
@@ -148,7 +157,7 @@ __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, 
     uint8_t *b_tile = a_tile + P::A_BYTES;
     uint64_t *bar = &full[ring->stage];
     const int kx = kb * k_elems_per_block;
-    ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES);
+    ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES + hook.extra_tx());
     ptx_tma_load_2d(a_tile, map_a, bar, kx, a_row);
     if (CLUSTER == 2) {
       ptx_tma_load_2d_multicast(b_tile + rank * 128 * MOK_TP_ROW_BYTES, rank ? b.map_hi : b.map_lo,
@@ -157,6 +166,7 @@ __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, 
       ptx_tma_load_2d(b_tile, b.map_lo, bar, kx, b.row_lo);
       if (BN == 256) ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, b.map_hi, bar, kx, b.row_hi);
     }
+    hook(ring->stage, kb, bar);
     tp_ring_advance<STAGES>(ring);
   }
 }
@@ -296,9 +306,16 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
 }
 
 // Scales of the fp8-block mainloop for one consumer thread (DESIGN.md section 2, fp8-block).
+// The activation scales come from global memory (a0, a1), or (SMEM_A) from the stage: the
+// producer loads the tile's 128 row scales of each K block into a slot of MOK_TP_FP8_SLOT_BYTES
+// per stage (grouped_gemm_fp8.cuh), and `sa` is this thread's first row in stage 0's slot.
+// A slot holds up to 132 scales from the tile's first row rounded down to a multiple of 4 (TMA's
+// innermost coordinate must be a multiple of 16 bytes), 128-byte aligned for TMA.
+#define MOK_TP_FP8_SLOT_BYTES 640
 typedef struct {
   const float *a0, *a1;  // a_scale rows of this thread's two accumulator rows: [K/128] each
   const float *b;        // b_scale [K/128] of the tile's 128-column block of group g
+  uint32_t sa;           // SMEM_A: shared address of this thread's first row's scale, stage 0
 } tp_fp8_scales_t;
 
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
@@ -311,10 +328,13 @@ typedef struct {
 // tensor work stopped from each wait to its next issue: a loop-only probe ran at 1312-1337 TF/s
 // with one set against 1536-1546 with two, and the grouped GEMM went from 0.68x-1.04x to
 // 0.83x-1.37x torch's rowwise fp8 (bench/NOTES.md v13). It costs 3 x 64 accumulator registers,
-// hence the fp8 kernel's 240-register consumers.
+// hence the fp8 kernel's 232-240-register consumers.
 // The scales of block kb + 1 are loaded when it is issued (an L2 load's latency hides behind one
-// block's wgmmas); barriers and descriptors are shared-memory offsets fixed per tile, not generic
-// pointers converted at every use (ncu: a third of the old loop's instructions).
+// block's wgmmas), or with SMEM_A its row scales are read from its stage's slot just before they
+// are needed: from global memory, ~12% of the stall samples sat on those loads and their
+// products at DeepSeek-V3's shapes, where the L2 is busy (ncu, bench/NOTES.md v15), and the
+// slots measured 0-4% faster (v16). Barriers and descriptors are shared-memory offsets fixed per
+// tile, not generic pointers converted at every use (ncu: a third of the old loop's instructions).
 // NOTE: issuing in turns with the other warpgroup (ORDERED of the bf16 loop) measured 15-25%
 // slower (v10, v13): the two warpgroups issue together.
 // idle: as for tp_consume_tile_bf16_n256 (no row of this warpgroup is stored; total undefined).
@@ -359,30 +379,61 @@ __device__ __forceinline__ void tp_fp8_retire(uint32_t full0, uint32_t st, float
   tp_fp8_promote(total, cur, s0, s1);
 }
 
+// SMEM_A: this thread's two row scales of the block in stage st, times sb.
+__device__ __forceinline__ void tp_fp8_slot_scales(uint32_t sa, uint32_t st, float sb, float &s0,
+                                                   float &s1) {
+  const uint32_t at = sa + st * MOK_TP_FP8_SLOT_BYTES;
+  s0 = ptx_ld_shared_f32(at) * sb;
+  s1 = ptx_ld_shared_f32(at + 32) * sb;  // row + 8
+}
+
 // Block kb is in flight in `cur` (stage *st_cur): issues block kb + 1 into `nxt` and loads its
-// scales, then retires block kb with the scales (sa0, sa1) x sb loaded one step earlier.
+// scales (SMEM_A: its b scale only), then retires block kb with the scales loaded one step
+// earlier (SMEM_A: its row scales from its slot, read after the issue).
 // NOTE: the caller keeps every wgmma and wait out of data-dependent branches (the loop below runs
 // whole pairs of steps, then a tail); with them inside one, ptxas serializes the wgmmas (C7518).
-template <int STAGES, int STAGE_BYTES>
+template <int STAGES, int STAGE_BYTES, int SMEM_A>
 __device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uint32_t da0,
                                             uint32_t db0, int kb, const tp_fp8_scales_t &sc,
                                             float &sa0, float &sa1, float &sb, uint32_t *st_cur,
                                             float (&cur)[64], float (&nxt)[64],
                                             float (&total)[64]) {
-  const float s0 = sa0 * sb, s1 = sa1 * sb;
+  float s0 = 0.0f, s1 = 0.0f;
+  const float sb_cur = sb;
+  if (!SMEM_A) {
+    s0 = sa0 * sb;
+    s1 = sa1 * sb;
+  }
   sb = sc.b[kb + 1];
-  sa0 = sc.a0[kb + 1];
-  sa1 = sc.a1[kb + 1];
+  if (!SMEM_A) {
+    sa0 = sc.a0[kb + 1];
+    sa1 = sc.a1[kb + 1];
+  }
   const uint32_t st_next = (uint32_t)ring->stage;
   ptx_mbar_wait_at(full0 + 8 * st_next, ring->phase);
   const uint32_t step = st_next * (STAGE_BYTES >> 4);
   tp_fp8_issue(nxt, da0 + step, db0 + step);
   tp_ring_advance<STAGES>(ring);
+  if (SMEM_A) tp_fp8_slot_scales(sc.sa, *st_cur, sb_cur, s0, s1);
   tp_fp8_retire<1, STAGES>(full0, *st_cur, s0, s1, cur, total);
   *st_cur = st_next;
 }
 
-template <int BM, int STAGES, int C_BYTES>
+// The last retire of a tile (block in stage st, scales of one step earlier).
+template <int STAGES, int SMEM_A>
+__device__ __forceinline__ void tp_fp8_retire_last(uint32_t full0, uint32_t st,
+                                                   const tp_fp8_scales_t &sc, float sa0, float sa1,
+                                                   float sb, float (&cur)[64], float (&total)[64]) {
+  if (SMEM_A) {
+    float s0, s1;
+    tp_fp8_slot_scales(sc.sa, st, sb, s0, s1);
+    tp_fp8_retire<0, STAGES>(full0, st, s0, s1, cur, total);
+  } else {
+    tp_fp8_retire<0, STAGES>(full0, st, sa0 * sb, sa1 * sb, cur, total);
+  }
+}
+
+template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
                                                          uint64_t *full, uint64_t *empty,
                                                          int k_blocks, int wg, bool idle,
@@ -399,25 +450,29 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   float pa[64], pb[64];
 #pragma unroll
   for (int i = 0; i < 64; i++) total[i] = 0.0f;
-  float sa0 = sc.a0[0], sa1 = sc.a1[0], sb = sc.b[0];
+  float sa0 = 0.0f, sa1 = 0.0f, sb = sc.b[0];
+  if (!SMEM_A) {
+    sa0 = sc.a0[0];
+    sa1 = sc.a1[0];
+  }
   uint32_t st_cur = (uint32_t)ring->stage;
   ptx_mbar_wait_at(full0 + 8 * st_cur, ring->phase);
   tp_fp8_issue(pa, da0 + st_cur * (P::STAGE_BYTES >> 4), db0 + st_cur * (P::STAGE_BYTES >> 4));
   tp_ring_advance<STAGES>(ring);
   int kb = 0;
   for (; kb + 2 < k_blocks; kb += 2) {  // blocks kb + 1 and kb + 2 exist: a pair of steps
-    tp_fp8_step<STAGES, P::STAGE_BYTES>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb, &st_cur, pa,
-                                        pb, total);
-    tp_fp8_step<STAGES, P::STAGE_BYTES>(ring, full0, da0, db0, kb + 1, sc, sa0, sa1, sb, &st_cur,
-                                        pb, pa, total);
+    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb,
+                                                &st_cur, pa, pb, total);
+    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A>(ring, full0, da0, db0, kb + 1, sc, sa0, sa1, sb,
+                                                &st_cur, pb, pa, total);
   }
   // One or two blocks left (block kb in pa): issue the last if any, then wait for everything.
   if (kb + 1 < k_blocks) {
-    tp_fp8_step<STAGES, P::STAGE_BYTES>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb, &st_cur, pa,
-                                        pb, total);
-    tp_fp8_retire<0, STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pb, total);
+    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb,
+                                                &st_cur, pa, pb, total);
+    tp_fp8_retire_last<STAGES, SMEM_A>(full0, st_cur, sc, sa0, sa1, sb, pb, total);
   } else {
-    tp_fp8_retire<0, STAGES>(full0, st_cur, sa0 * sb, sa1 * sb, pa, total);
+    tp_fp8_retire_last<STAGES, SMEM_A>(full0, st_cur, sc, sa0, sa1, sb, pa, total);
   }
 }
 

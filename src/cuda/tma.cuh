@@ -67,4 +67,20 @@ static inline int tma_encode_e4m3_sw128(CUtensorMap *map, const void *base, uint
   return tma_encode_sw128(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rows, cols, box_rows);
 }
 
+// fp32 [rows, cols] (16-byte row stride), box [1, box_cols] without swizzle: a run of one row,
+// such as the row scales of one K block in a K-block-major scale array.
+static inline int tma_encode_f32_rows(CUtensorMap *map, const void *base, uint64_t rows,
+                                      uint64_t cols, uint32_t box_cols) {
+  cuuint64_t dims[2] = {cols, rows};
+  cuuint64_t strides[1] = {cols * 4};
+  cuuint32_t box[2] = {box_cols, 1};
+  cuuint32_t elem_strides[2] = {1, 1};
+  tma_encode_tiled_fn encode = tma_encode_fn();
+  if (!encode) return 1;
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, (void *)base, dims, strides, box,
+                      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : 1;
+}
+
 #endif /* MOK_CUDA_TMA_CUH */

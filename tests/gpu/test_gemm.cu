@@ -73,6 +73,14 @@ MOK_TEST(gemm_launcher_rejects_bad_arguments) {
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = fs; p.b_scale = (const float *)(buf + 2);
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  // K-block-major a_scale: its row stride covers m_total, in 16-byte steps, from a 16-byte base
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.a_scale_ld = 252;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.a_scale_ld = 258;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.b_scale = fs; p.a_scale = (const float *)(buf + 4);
+  p.a_scale_ld = 256;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs;
   p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);

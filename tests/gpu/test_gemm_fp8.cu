@@ -1,8 +1,8 @@
 /*
  * test_gemm_fp8.cu: the fp8-block path of the grouped GEMM (e4m3 operands, 1x128 activation and
  * 128x128 weight scales, promotion every 128 reduction elements) against fp64 sums on the host;
- * ragged and empty groups, rows outside every group untouched, bitwise run to run and whatever
- * the CTA count.
+ * ragged and empty groups, rows outside every group untouched, bitwise run to run, whatever
+ * the CTA count and whichever layout the activation scales come in.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -51,12 +51,17 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
   const size_t esz = out_f32 ? 4 : 2, cbytes = (size_t)M * N * esz;
   std::vector<float> c_init((size_t)M * N);
   for (auto &v : c_init) v = rnd_unit();
+  // the same activation scales K-block major, [KB, ld] with ld past M and a multiple of 4
+  const int ld = (M + 3) / 4 * 4 + 4;
+  std::vector<float> sa_t((size_t)KB * ld, NAN);
+  for (int r = 0; r < M; r++)
+    for (int kb = 0; kb < KB; kb++) sa_t[(size_t)kb * ld + r] = sa[(size_t)r * KB + kb];
   uint8_t *da = to_dev(a), *db = to_dev(b);
-  float *dsa = to_dev(sa), *dsb = to_dev(sb), *dinit = to_dev(c_init);
+  float *dsa = to_dev(sa), *dsb = to_dev(sb), *dinit = to_dev(c_init), *dsa_t = to_dev(sa_t);
   int32_t *doffs = to_dev(offs32);
   void *dc = NULL;
   cudaMalloc(&dc, cbytes + 16);
-  MOK_REQUIRE(da && db && dsa && dsb && dinit && doffs && dc);
+  MOK_REQUIRE(da && db && dsa && dsb && dinit && doffs && dc && dsa_t);
   cudaMemset(dc, 0xFF, cbytes);
   if (epi == MOK_GG_EPI_ACCUM_F32) cudaMemcpy(dc, dinit, cbytes, cudaMemcpyDeviceToDevice);
   mok_grouped_gemm_params_t p = gemm_params(MOK_GG_FP8_BLOCK, epi, G, M, N, K, da, db, doffs, dc);
@@ -70,17 +75,35 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
                   cudaGetErrorString(err));
   cudaMemcpy(c.data(), dc, cbytes, cudaMemcpyDeviceToHost);
   if (epi != MOK_GG_EPI_ACCUM_F32) {
-    // bitwise the same: run to run, and with a CTA per SM (most of them find no tile)
-    const char *what[2] = {"a second run", "a CTA per SM"};
-    for (int v = 0; v < 2; v++) {
-      p.num_sms = v == 1 ? 0 : 5;
+    // bitwise the same: run to run, with a CTA per SM (most of them find no tile), and with the
+    // activation scales K-block major (loaded through shared memory), on 5 CTAs and one per SM
+    const char *what[4] = {"a second run", "a CTA per SM", "K-block-major scales",
+                           "K-block-major scales, a CTA per SM"};
+    for (int v = 0; v < 4; v++) {
+      mok_grouped_gemm_params_t q = p;
+      q.num_sms = v % 2 ? 0 : 5;
+      if (v >= 2) {
+        q.a_scale = dsa_t;
+        q.a_scale_ld = ld;
+      }
       cudaMemset(dc, 0xFF, cbytes);
-      MOK_REQUIRE(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
+      MOK_REQUIRE(mok_grouped_gemm_launch(&q, NULL) == MOK_SUCCESS);
       MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
       cudaMemcpy(c2.data(), dc, cbytes, cudaMemcpyDeviceToHost);
       MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), cbytes) == 0, "fp8 epilogue %d: %s differs",
                      (int)epi, what[v]);
     }
+  } else {
+    // accumulating: the K-block-major scales add the same bits to the same initial values
+    cudaMemcpy(dc, dinit, cbytes, cudaMemcpyDeviceToDevice);
+    mok_grouped_gemm_params_t q = p;
+    q.a_scale = dsa_t;
+    q.a_scale_ld = ld;
+    MOK_REQUIRE(mok_grouped_gemm_launch(&q, NULL) == MOK_SUCCESS);
+    MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    cudaMemcpy(c2.data(), dc, cbytes, cudaMemcpyDeviceToHost);
+    MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), cbytes) == 0,
+                   "fp8 accumulate: K-block-major scales differ");
   }
   int bad = 0;
   double worst_rel = 0;
@@ -121,7 +144,7 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
          worst_rel);
   MOK_EXPECT_MSG(bad == 0, "fp8 epilogue %d: %d bad elements", (int)epi, bad);
   cudaFree(da); cudaFree(db); cudaFree(dsa); cudaFree(dsb); cudaFree(dinit); cudaFree(doffs);
-  cudaFree(dc);
+  cudaFree(dc); cudaFree(dsa_t);
 }
 
 // The mainloop runs blocks in pairs, then a tail of one or two (tile_pipeline.cuh): K = 1, 2, 3 and
@@ -142,4 +165,8 @@ MOK_TEST(gemm_fp8_block_matches_cpu) {
   check_fp8(pr, MOK_GG_EPI_STORE_BF16);
   check_fp8(pr, MOK_GG_EPI_STORE_F32);
   check_fp8(pr, MOK_GG_EPI_ACCUM_F32);
+  // fewer rows than a tile: the K-block-major scales are one TMA box narrower than a tile's
+  problem_t small = make_problem(256, 256, {5, 0, 40}, 2, 3);
+  check_fp8(small, MOK_GG_EPI_STORE_BF16);
+  check_fp8(small, MOK_GG_EPI_ACCUM_F32);
 }
