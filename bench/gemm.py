@@ -34,7 +34,7 @@ import sys
 import torch
 
 variants_names = ("mok_4stage_ms", "mok_cluster2_ms", "mok_direct_store_ms", "mok_band8_ms",
-                  "mok_band0_ms", "mok_rowmajor_scales_ms")
+                  "mok_band0_ms", "mok_band4_ms", "mok_band16_ms", "mok_rowmajor_scales_ms")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,7 +274,9 @@ def run_case(lib, model, gemm, routing, args, gen):
                 "mok_cluster2_ms": with_env(mok, {"MOK_GG_CLUSTER": "2"}),
                 "mok_direct_store_ms": with_env(mok, {"MOK_GG_TMA_STORE": "0"}),
                 "mok_band8_ms": with_env(mok, {"MOK_TILE_GROUP": "8"}),
-                "mok_band0_ms": with_env(mok, {"MOK_TILE_GROUP": "0"})}
+                "mok_band0_ms": with_env(mok, {"MOK_TILE_GROUP": "0"}),
+                "mok_band4_ms": with_env(mok, {"MOK_TILE_GROUP": "4"}),
+                "mok_band16_ms": with_env(mok, {"MOK_TILE_GROUP": "16"})}
 
     # torch takes b as [E, K, N]: a transposed view of [E, N, K] weights (K-major per expert), or
     # the N-major weights themselves for the backward cases
@@ -529,8 +531,10 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
         return row
     if base_ok:
         # MoK in other configurations, for the notes (same bits as the default)
-        extra = same_bits_variants(args, {"mok_rowmajor_scales_ms": mok_rowmajor_scales}, out,
-                                   row["case"])
+        extra = same_bits_variants(args, {"mok_rowmajor_scales_ms": mok_rowmajor_scales,
+                                          **{f"mok_band{g}_ms": with_env(mok, {"MOK_TILE_GROUP": g})
+                                             for g in ("0", "4", "8", "16")}},
+                                   out, row["case"])
         extra.update(lib_b_variant(args, p, stream, out, row["case"]))  # out: mok's, from above
         times = time_ms([mok, base] + list(extra.values()), args.warmup, args.reps,
                         args.rounds)
@@ -589,8 +593,9 @@ def main():
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
     ap.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
                     help="also time MoK in other configurations: 4stage, cluster2, "
-                         "direct_store, band8, band0 (bf16), rowmajor_scales (fp8); all of "
-                         "them, or a comma list")
+                         "direct_store (bf16), rowmajor_scales (fp8), band0, band4, band8, "
+                         "band16 (both: tile bands, MOK_TILE_GROUP); all of them, or a comma "
+                         "list")
     args = ap.parse_args()
     args.commit_resolved = git_commit(args.commit)
     args.rounds = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
