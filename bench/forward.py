@@ -301,7 +301,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jsonl", default=os.path.join(HERE, "results", "forward.jsonl"))
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--cases", default="", help="run only models whose name contains this")
+    ap.add_argument("--cases", default="",
+                    help="run only models whose name contains this (or one of these, comma list)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3,
@@ -317,7 +318,7 @@ def main():
     print(f"{'case':28s} {'mok ms':>8s} {'TF/s':>6s} {'torch ms':>9s} {'TF/s':>6s} {'ratio':>6s} "
           f"{'rel err':>8s} {'chain ms':>9s} {'pregath ms':>10s}")
     for model in MODELS:
-        if args.cases not in model:
+        if not any(c in model for c in args.cases.split(",")):
             continue
         for r in run_case(model, args, gen):
             rows.append(r)

@@ -660,8 +660,9 @@ static int fk_a16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
 // The plan's lag (src/task_plan.h) in expert stages: enough that the tasks between an expert's
 // GATE_UP tiles and its DOWN tiles exceed one wave of the grid, from the average rows per expert
-// (the host does not know the real counts). MOK_FUSED_LAG=n overrides it (a tuning knob; the
-// bits never depend on it).
+// (the host does not know the real counts), and at least 3: at Qwen3-235B and DeepSeek-V3 (2 by
+// the first rule) 3 was as fast or faster in 7 of 8 same-run comparisons, by 0-2% (bench/NOTES.md
+// v12, v16). MOK_FUSED_LAG=n overrides it (a tuning knob; the bits never depend on it).
 static int32_t fk_lag(const mok_fwd_fused_params_t *p, int grid) {
   const char *env = getenv("MOK_FUSED_LAG");
   if (env && atoi(env) > 0) return atoi(env);
@@ -669,7 +670,8 @@ static int32_t fk_lag(const mok_fwd_fused_params_t *p, int grid) {
   const int64_t tiles = (l->T * l->K / l->E + FK_BM - 1) / FK_BM + 1;  // row tiles per expert
   const int64_t per_stage = tiles * (p->I / 128 + (l->H + FK_BN - 1) / FK_BN);
   int64_t lag = (grid + per_stage - 1) / per_stage + 1;
-  return (int32_t)(lag < 1 ? 1 : (lag > l->E ? l->E : lag));
+  if (lag < 3) lag = 3;
+  return (int32_t)(lag > l->E ? l->E : lag);
 }
 
 extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, void *stream) {
