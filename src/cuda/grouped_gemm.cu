@@ -381,7 +381,7 @@ extern "C" int mok_tile_group_m(int64_t b_bytes) {
     return 0;
   }
   // NOTE: 0.45 of the L2, not half: the H200 reports 60 MiB, and B of 29.4 MB (DeepSeek-V3's down
-  // weights in bf16, gate/up in fp8), under half of that, measured 1-3% faster in bands, while
+  // weights in bf16, gate/up in fp8), under half of that, measured 1.5-4% faster in bands, while
   // 25.2 MB (Qwen3-235B gate/up, bf16) was faster without (bench/NOTES.md v11, v16).
   return b_bytes * 20 > (int64_t)l2 * 9 ? 8 : 0;
 }

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                   const __grid_constant__ CUtensorMap tm_a,  // A [M_total, K] e4m3, box [128, 128]
                   const __grid_constant__ CUtensorMap tm_b,  // B [G*N, K] e4m3, box [128, 128]
                   const __grid_constant__ CUtensorMap tm_c,  // C [M_total, N] bf16, box [64, 64]
-                  const __grid_constant__ CUtensorMap tm_s)  // SMEM_A: a_scale, box [1, 128]
+                  const __grid_constant__ CUtensorMap tm_s)  // SMEM_A: a_scale, box [1, <= 132]
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int STAGED = EPI == MOK_GG_EPI_STORE_BF16;
