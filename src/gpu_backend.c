@@ -19,9 +19,9 @@
  * warpgroups issue in turns, MOK_FUSED_DEFER=0 releases a GATE_UP tile at the end of its
  * epilogue, and MOK_FUSED_TRACE=<device address> writes a task trace (forward_fused.cu); none of
  * these changes a bit of the results. Buffers are the regions of src/workspace.h. Errors the
- * kernels find (bad routing, capacity overflow) make the call compute nothing and wait in the workspace's error word for
- * mok_layer_check. Other GPU layers (W > 1, fp8) allocate nothing and report
- * MOK_ERROR_NOT_IMPLEMENTED.
+ * kernels find (bad routing, capacity overflow) make the call compute nothing and wait in the
+ * workspace's error word for mok_layer_check. Other GPU layers (W > 1, fp8) allocate nothing and
+ * report MOK_ERROR_NOT_IMPLEMENTED.
  */
 #include <stdlib.h>
 #include <string.h>

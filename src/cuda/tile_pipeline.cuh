@@ -424,13 +424,9 @@ template <int STAGES, int SMEM_A>
 __device__ __forceinline__ void tp_fp8_retire_last(uint32_t full0, uint32_t st,
                                                    const tp_fp8_scales_t &sc, float sa0, float sa1,
                                                    float sb, float (&cur)[64], float (&total)[64]) {
-  if (SMEM_A) {
-    float s0, s1;
-    tp_fp8_slot_scales(sc.sa, st, sb, s0, s1);
-    tp_fp8_retire<0, STAGES>(full0, st, s0, s1, cur, total);
-  } else {
-    tp_fp8_retire<0, STAGES>(full0, st, sa0 * sb, sa1 * sb, cur, total);
-  }
+  float s0 = sa0 * sb, s1 = sa1 * sb;
+  if (SMEM_A) tp_fp8_slot_scales(sc.sa, st, sb, s0, s1);
+  tp_fp8_retire<0, STAGES>(full0, st, s0, s1, cur, total);
 }
 
 template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0>
