@@ -111,12 +111,7 @@ __device__ __forceinline__ const int4 *gg_tags(const uint8_t *smem_raw, const ui
 // producer that never posts is itself stuck in a bounded wait, which traps.
 __device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, const int4 *tags,
                                        gg_tile_t *t) {
-  const uint32_t bar = ptx_smem_addr(&full[ring->stage]);
-  if (!ptx_mbar_try_wait_at(bar, ring->phase)) {
-    const uint64_t t0 = ptx_globaltimer_ns();
-    while (!ptx_mbar_try_wait_at(bar, ring->phase))
-      if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) return 0;
-  }
+  if (!ptx_mbar_wait_bounded_at(ptx_smem_addr(&full[ring->stage]), ring->phase)) return 0;
   // NOTE: a plain load (the wait's asm is a compiler barrier for memory). Through a volatile
   // pointer, ptxas treated the rest of the loop as divergent and moved the wgmma descriptors into
   // uniform registers before every wgmma (SASS of the first version, bench/NOTES.md v15).

@@ -134,6 +134,19 @@ __device__ __forceinline__ void ptx_mbar_wait_at(uint32_t bar, uint32_t parity) 
     if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) __trap();
   }
 }
+// The same wait, returning 0 after the timeout instead of trapping (1 once the phase completed),
+// for a caller that ends its loop on it (grouped_gemm.cu's gg_peek, where a trap made ptxas spill
+// the fp8 consumers' accumulators).
+// NOTE: ptx_mbar_wait_at is not written as a trap on this one's result: that compiles every
+// mainloop's waits differently (more exits, other uniform registers; cuobjdump of grouped_gemm.o,
+// forward_fused.o and grouped_wgrad.o), a change to measure, not a refactor.
+__device__ __forceinline__ int ptx_mbar_wait_bounded_at(uint32_t bar, uint32_t parity) {
+  if (ptx_mbar_try_wait_at(bar, parity)) return 1;
+  const uint64_t t0 = ptx_globaltimer_ns();
+  while (!ptx_mbar_try_wait_at(bar, parity))
+    if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) return 0;
+  return 1;
+}
 __device__ __forceinline__ void ptx_mbar_wait(uint64_t *bar, uint32_t parity) {
   ptx_mbar_wait_at(ptx_smem_addr(bar), parity);
 }
