@@ -198,8 +198,9 @@ __device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const
   }
 }
 
-// Staged bf16 store of 128 columns of a consumer warpgroup's [64, 256] accumulator: column
-// chunks [J0, J0 + 16) of the fragment (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in
+// Staged bf16 store of 128 columns of a consumer warpgroup's [64, 256] accumulator (NACC = 128;
+// the fp8 kernel's [64, 128] one: NACC = 64): column chunks [J0, J0 + 16) of the fragment
+// (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in
 // chunks 16-31 with router weights w (SWIGLU = 1, J0 = 0). Registers -> swizzled staging
 // [2 chunks][64 rows][128 B] (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of
 // the map, committed as one bulk group; chunks at or past column n are skipped (TMA clips the rest
@@ -210,19 +211,19 @@ __device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const
 // memory (those must use other buffers), then the warpgroup meets; WAIT = -1 when nothing earlier
 // reads this buffer. Ordinary shared-memory stores need the proxy fence before the copy engine
 // reads them.
-template <int J0, int SWIGLU, int WAIT>
-__device__ __forceinline__ void epi_store_staged(const float (&acc)[128], uint8_t *stage_c,
+template <int J0, int SWIGLU, int WAIT, int NACC>
+__device__ __forceinline__ void epi_store_staged(const float (&acc)[NACC], uint8_t *stage_c,
                                                  const CUtensorMap *tm_c, float2 w, int col, int n,
                                                  int row0, int bar_id, int lt) {
-  static_assert(!SWIGLU || J0 == 0, "SwiGLU reads g and u from all 32 chunks");
+  static_assert(!SWIGLU || (J0 == 0 && NACC == 128), "SwiGLU reads g and u from all 32 chunks");
   if (WAIT >= 0) {
     if (lt == 0) ptx_bulk_wait_group_read<WAIT < 0 ? 0 : WAIT>();
     ptx_named_barrier_sync(bar_id, 128);
   }
   if (SWIGLU)
-    epi_stage_swiglu<128>(acc, stage_c, w);
+    epi_stage_swiglu<NACC>(acc, stage_c, w);
   else
-    epi_stage_bf16<128, J0, 16>(acc, stage_c);
+    epi_stage_bf16<NACC, J0, 16>(acc, stage_c);
   ptx_fence_proxy_async_smem();
   ptx_named_barrier_sync(bar_id, 128);
   if (lt == 0) {

@@ -147,18 +147,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       const int wg_row0 = tile.row0 + 64 * cw;
       uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
       if (STAGED && wg_row0 + 64 <= tile.row_end) {
-        // NOTE: as in gg_store_staged: wait until the previous stores have read the staging
-        // area, and fence ordinary smem stores before the copy engine reads them.
-        if (lt == 0) ptx_bulk_wait_group_read<0>();
-        ptx_named_barrier_sync(1 + cw, 128);
-        epi_stage_bf16<64, 0, 16>(total, stage_c);
-        ptx_fence_proxy_async_smem();
-        ptx_named_barrier_sync(1 + cw, 128);
-        if (lt == 0) {
-          for (int ch = 0; ch < 2; ch++)
-            ptx_tma_store_2d(&tm_c, stage_c + ch * 8192, tile.n0 + 64 * ch, wg_row0);
-          ptx_bulk_commit_group();
-        }
+        epi_store_staged<0, 0, 0>(total, stage_c, &tm_c, make_float2(1.0f, 1.0f), tile.n0, p.n,
+                                  wg_row0, 1 + cw, lt);
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<64>(total, (__nv_bfloat16 *)p.c, e);
       } else if (EPI == MOK_GG_EPI_STORE_F32) {
