@@ -200,11 +200,10 @@ __device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const
 
 // Staged bf16 store of 128 columns of a consumer warpgroup's [64, 256] accumulator (NACC = 128;
 // the fp8 kernel's [64, 128] one: NACC = 64): column chunks [J0, J0 + 16) of the fragment
-// (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in
-// chunks 16-31 with router weights w (SWIGLU = 1, J0 = 0). Registers -> swizzled staging
-// [2 chunks][64 rows][128 B] (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of
-// the map, committed as one bulk group; chunks at or past column n are skipped (TMA clips the rest
-// at the map's bounds).
+// (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in chunks 16-31 with router weights w
+// (SWIGLU = 1, J0 = 0, NACC = 128). Registers -> swizzled staging [2 chunks][64 rows][128 B]
+// (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of the map, committed as one
+// bulk group; chunks at or past column n are skipped (TMA clips the rest at the map's bounds).
 // bar_id: a named barrier of this warpgroup's 128 threads; lt: the thread within it (0 issues).
 // NOTE: the staging buffer may still be read by earlier bulk stores of the issuing thread: with
 // WAIT >= 0 that thread first waits until at most WAIT of its latest bulk groups still read shared
