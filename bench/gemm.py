@@ -113,20 +113,35 @@ def with_env(fn, env):
     return run
 
 
-def same_bits_variants(args, table, out, what):
-    """The entries of table ({"mok_NAME_ms": fn}) that --variants selects, after checking that
-    each writes into `out` the bits `out` holds now (the default configuration's output)."""
+def gemm_launcher(lib, params, stream):
+    """A function that launches the grouped GEMM of `params` through `lib` (a libmok.so), raising
+    on an error code."""
+    def run():
+        rc = lib.mok_grouped_gemm_launch(ctypes.byref(params), ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
+    return run
+
+
+def selected_variants(args, table):
+    """The entries of table ({"mok_NAME_ms": fn}) that --variants selects ({} without it)."""
     if not args.variants:
         return {}
-    if args.variants != "all":
-        keep = args.variants.split(",")
-        table = {k: v for k, v in table.items() if k[4:-3] in keep}
+    if args.variants == "all":
+        return table
+    keep = args.variants.split(",")
+    return {k: v for k, v in table.items() if k[4:-3] in keep}
+
+
+def check_same_bits(table, out, what):
+    """table ({name: fn}), after checking that each fn writes into `out` the bits `out` holds now
+    (the default configuration's output), which it holds again afterwards."""
     first = out.clone()
     for name, fn in table.items():
         out.fill_(float("nan"))
         fn()
         if not torch.equal(out.view(torch.int16), first.view(torch.int16)):
-            raise RuntimeError(f"{what}: variant {name} gives other bits")
+            raise RuntimeError(f"{what}: {name} gives other bits")
     out.copy_(first)
     return table
 
@@ -139,23 +154,8 @@ def lib_b_name(i):
 def lib_b_variant(args, params, stream, out, what):
     """{"mok_lib_b_ms": fn, ...}: the same launch through each --lib-b library, after checking that
     each writes into `out` the bits `out` holds now (the default library's output); {} without."""
-    if not args.lib_b:
-        return {}
-    first = out.clone()
-    fns = {}
-    for i, lib_b in enumerate(args.lib_b):
-        def mok_b(lib_b=lib_b):
-            rc = lib_b.mok_grouped_gemm_launch(ctypes.byref(params), ctypes.c_void_p(stream))
-            if rc != 0:
-                raise RuntimeError(f"--lib-b: mok_grouped_gemm_launch returned {rc}")
-
-        out.fill_(float("nan"))
-        mok_b()
-        if not torch.equal(out.view(torch.int16), first.view(torch.int16)):
-            raise RuntimeError(f"{what}: --lib-b library {i + 1} gives other bits")
-        fns[lib_b_name(i)] = mok_b
-    out.copy_(first)
-    return fns
+    return check_same_bits({lib_b_name(i): gemm_launcher(lib_b, params, stream)
+                            for i, lib_b in enumerate(args.lib_b)}, out, what)
 
 
 def counts_unaligned(routing, rows, experts, gen):
@@ -264,10 +264,7 @@ def run_case(lib, model, gemm, routing, args, gen):
     p.num_sms = args.sms
     stream = torch.cuda.current_stream().cuda_stream
 
-    def mok():
-        rc = lib.mok_grouped_gemm_launch(ctypes.byref(p), ctypes.c_void_p(stream))
-        if rc != 0:
-            raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
+    mok = gemm_launcher(lib, p, stream)
 
     # MoK in other configurations of its table, for the notes
     variants = {"mok_4stage_ms": with_env(mok, {"MOK_GG_STAGES": "4"}),
@@ -305,11 +302,7 @@ def run_case(lib, model, gemm, routing, args, gen):
         row.update({"mok_ms": None, "baseline_ms": None, "ratio": None, "tflops": None,
                     "baseline_tflops": None, "error": f"wrong result: rel err {err:.3g}, nan={nan}"})
         return row
-    if args.variants and args.variants != "all":
-        keep = args.variants.split(",")
-        variants = {k: v for k, v in variants.items() if k[4:-3] in keep}
-    if not args.variants:
-        variants = {}
+    variants = selected_variants(args, variants)
     variants.update(lib_b_variant(args, p, stream, out, row["case"]))  # out: mok's, from above
     if variants:
         for name, fn in variants.items():
@@ -484,15 +477,8 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
     p_r = Params.from_buffer_copy(p)  # the same scales row-major, [R, K/128]
     p_r.a_scale, p_r.a_scale_ld = a_s.data_ptr(), 0
 
-    def mok():
-        rc = lib.mok_grouped_gemm_launch(ctypes.byref(p), ctypes.c_void_p(stream))
-        if rc != 0:
-            raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
-
-    def mok_rowmajor_scales():
-        rc = lib.mok_grouped_gemm_launch(ctypes.byref(p_r), ctypes.c_void_p(stream))
-        if rc != 0:
-            raise RuntimeError(f"mok_grouped_gemm_launch returned {rc}")
+    mok = gemm_launcher(lib, p, stream)
+    mok_rowmajor_scales = gemm_launcher(lib, p_r, stream)
 
     w_rq_t = w_rq.transpose(1, 2)  # [E, K, N], column-major per expert
 
@@ -531,10 +517,10 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
         return row
     if base_ok:
         # MoK in other configurations, for the notes (same bits as the default)
-        extra = same_bits_variants(args, {"mok_rowmajor_scales_ms": mok_rowmajor_scales,
-                                          **{f"mok_band{g}_ms": with_env(mok, {"MOK_TILE_GROUP": g})
-                                             for g in ("0", "4", "8", "16")}},
-                                   out, row["case"])
+        extra = check_same_bits(selected_variants(args, {
+            "mok_rowmajor_scales_ms": mok_rowmajor_scales,
+            **{f"mok_band{g}_ms": with_env(mok, {"MOK_TILE_GROUP": g})
+               for g in ("0", "4", "8", "16")}}), out, row["case"])
         extra.update(lib_b_variant(args, p, stream, out, row["case"]))  # out: mok's, from above
         times = time_ms([mok, base] + list(extra.values()), args.warmup, args.reps,
                         args.rounds)
