@@ -29,6 +29,12 @@ the tail.
 
 --variant times the fused forward again under other environment knobs (variant_NAME_ms), after
 checking that its y is the chain's bits too.
+
+--lib-b PATH[,PATH...] times the fused forward of other libmok.so builds in the same rounds
+(mok_lib_b_ms, mok_lib_b2_ms, ...), after checking that each gives the chain's bits: an A/B of
+two builds on the same machine in the same thermal state. Separate processes on the same machine
+measured the same build 1-2% apart (bench/NOTES.md v18); one launch of each function per round
+(--rounds = --reps, the default with --lib-b) is the protocol of v15.
 """
 import argparse
 import json
@@ -41,8 +47,9 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-from gemm import git_commit, rel_err, time_ms, with_env  # noqa: E402
+from gemm import git_commit, lib_b_name, rel_err, time_ms, with_env  # noqa: E402
 import mok  # noqa: E402
+import mok._lib  # noqa: E402
 
 MODELS = {  # name: (H, I, E, K, Is)
     "qwen3-30b-a3b": (2048, 768, 128, 8, 0),
@@ -71,6 +78,25 @@ def torch_pipeline(x, idx, tw, wgu_t, wd_t, shared):
         as_ = (F.silu((x @ wsg.t()).float()) * (x @ wsu.t()).float()).bfloat16()
         y += (as_ @ wsd.t()).float()
     return y.bfloat16()
+
+
+def load_lib_b(path):
+    """Another libmok.so (an A/B build), loaded and declared as the binding loads its own."""
+    return with_env(mok._lib.load, {"MOK_LIBRARY": path})()
+
+
+def with_lib(fn, lib):
+    """fn run with the binding's current library (mok._lib.lib()) set to `lib` (a load_lib_b
+    library), restored afterwards: a Layer keeps the library current when it is created, and the
+    binding's error messages come from the current one."""
+    def run():
+        old = mok._lib._LIB
+        mok._lib._LIB = lib
+        try:
+            return fn()
+        finally:
+            mok._lib._LIB = old
+    return run
 
 
 def kernel_times(fn, iters=3):
@@ -228,17 +254,37 @@ def run_case(model, args, gen):
             print(f"{model}: variant {name} ({envs}) gives other bits than the chain")
             row["variant_differs"] = name
         variants[f"variant_{name}_ms"] = fn
+    # --lib-b: the fused forward through another build, its own layer (same inputs and outputs)
+    layers_b = []
+    for i, lib_b in enumerate(args.lib_b):
+        # (a Layer keeps the library it was created with)
+        layer_b = with_lib(lambda: mok.Layer(H, I, E, K, max_tokens=T, shared_intermediate=Is,
+                                             device="cuda:0"), lib_b)()
+        layers_b.append((layer_b, lib_b))
+        fn = with_lib(lambda lb=layer_b: lb.forward(x, idx, tw, w, y, ctx, stream=stream), lib_b)
+        y.fill_(float("nan"))
+        fn()
+        with_lib(layer_b.check, lib_b)()
+        if not torch.equal(y.view(torch.int16), y_chain.view(torch.int16)):
+            print(f"{model}: --lib-b {i + 1} gives other bits than the chain")
+            row["variant_differs"] = lib_b_name(i)
+        variants[lib_b_name(i)] = fn
     times = time_ms([mok_fwd, chain_fwd, xg_fwd, base] + list(variants.values()), args.warmup,
                     args.reps, args.rounds)
     mok_ms, chain_ms, xg_ms, base_ms = times[:4]
     row.update(zip(variants, times[4:]))
     layer.check()
+    for layer_b, lib_b in layers_b:
+        with_lib(layer_b.check, lib_b)()
     if args.profile:
         for label, fn in (("fused", mok_fwd), ("chain", chain_fwd), ("pipeline", base)):
             print_kernel_times(model, label, fn)
         print_fused_trace(model, mok_fwd)
-        for name, fn in variants.items():
-            print_fused_trace(f"{model} [{name[8:-3]}]", fn)
+        for name, fn in variants.items():  # variant_NAME_ms, mok_lib_b_ms, ...
+            label = name[8:-3] if name.startswith("variant_") else name[4:-3]
+            print_fused_trace(f"{model} [{label}]", fn)
+    for layer_b, lib_b in layers_b:  # before the forward + backward, which needs the memory
+        with_lib(layer_b.close, lib_b)()
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9,
@@ -305,14 +351,20 @@ def main():
                     help="run only models whose name contains this (or one of these, comma list)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="alternate the timed functions this many times (reps / rounds each)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="alternate the timed functions this many times (reps / rounds each; "
+                         "default 3, or --reps with --lib-b)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="also time the fused forward with these environment knobs (same bits)")
+    ap.add_argument("--lib-b", default=None, metavar="PATH[,PATH...]",
+                    help="A/B: also time the fused forward of these other libmok.so builds in the "
+                         "same rounds (each must give the same bits; columns lib_b, lib_b2, ...)")
     ap.add_argument("--profile", action="store_true",
                     help="print the device time of each kernel of the fused forward and the chain, "
                          "and the fused kernel's task trace")
     args = ap.parse_args()
+    args.rounds = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
+    args.lib_b = [load_lib_b(path) for path in args.lib_b.split(",")] if args.lib_b else []
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []
     print(f"{'case':28s} {'mok ms':>8s} {'TF/s':>6s} {'torch ms':>9s} {'TF/s':>6s} {'ratio':>6s} "
@@ -331,7 +383,9 @@ def main():
                       f"{r.get('chain_ms', float('nan')):9.3f} "
                       f"{r.get('fused_pregathered_ms', float('nan')):10.3f}" +
                       "".join(f" | {k[8:-3]} {v:.3f}" for k, v in r.items()
-                              if k.startswith("variant_") and k.endswith("_ms")))
+                              if k.startswith("variant_") and k.endswith("_ms")) +
+                      "".join(f" | {k[4:-3]} {v:.3f}" for k, v in r.items()
+                              if k.startswith("mok_lib_b")))
         torch.cuda.empty_cache()
     return 1 if any(r.get("wrong") for r in rows) else 0
 
