@@ -11,11 +11,17 @@
  *   SHARED_DOWN (m, n)     shared expert down -> ys
  *   REDUCE      (b)        token block b: y = bf16(ys + yk(k=0) + ... + yk(K-1)), slot order
  *
- * The order: all SHARED_GATE_UP tiles (they need only x, so they fill the SMs while rows are
- * gathered or dispatched), then for s = 0 .. E + L - 1: GATE_UP tiles of expert s (s < E) followed
- * by DOWN tiles of expert s - L (s >= L), then SHARED_DOWN, then REDUCE. The lag L >= 1 (field
- * `lag`) keeps a DOWN tile a few hundred tasks behind the GATE_UP tiles it reads, so that with a
- * grid of ~132 CTAs they have finished by the time it is taken instead of running beside it.
+ * The order: for s = 0 .. E + L - 1: GATE_UP tiles of expert s (s < E) followed by DOWN tiles of
+ * expert s - L (s >= L); then the shared expert in bands of `shared_band` token tiles: for
+ * u = 0 .. U (U bands), SHARED_GATE_UP tiles of band u (u < U) followed by SHARED_DOWN tiles of
+ * band u - 1 (u >= 1); then REDUCE. The lag L >= 1 (field `lag`) keeps a DOWN tile a few hundred
+ * tasks behind the GATE_UP tiles it reads, so that with a grid of ~132 CTAs they have finished by
+ * the time it is taken instead of running beside it; the shared expert's band lag does the same
+ * for its down tiles. The shared expert comes last so that the reduce of a token block can start
+ * as soon as its shared-expert tiles are done (every routed DOWN tile is done by then), beside the
+ * shared expert's later bands (forward_fused.cu's reduce helpers; DeepSeek-V3's forward 3-9%
+ * faster than with the shared expert's gate/up tiles first, bench/NOTES.md v18). (An
+ * expert-parallel kernel may want them first again, to fill the SMs while rows are dispatched.)
  * Within a (kind, expert) block the tiles go row tile by row tile, column tiles inner, or, with
  * group_m > 0, in bands of group_m row tiles: column tile by column tile within a band, its row
  * tiles inner (mok_plan_tile). Consecutive tasks then share a weight tile (B), which the CTAs that
@@ -79,9 +85,13 @@ typedef struct {
   const int32_t *mt_pre;  /* [E + 1] prefix sums of row tiles per expert: ceil(rows_e / BM) */
   int32_t lag;            /* expert stages from an expert's GATE_UP tiles to its DOWN tiles; 0 = 1 */
   int32_t group_m;        /* row tiles per band of a block (see above); 0 = row tile by row tile */
+  int32_t shared_band;    /* token tiles per band of the shared expert; 0 = 8 */
 } mok_task_plan_t;
 
 MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
+MOK_HD int32_t mok_plan_shared_band(const mok_task_plan_t *p) {
+  return p->shared_band > 0 ? p->shared_band : 8;
+}
 
 /* Tile r of a block of mt row tiles x nt column tiles, in the order described above. In 32-bit
  * arithmetic when the block's tiles fit: a 64-bit division is a long subroutine on the GPU, and
@@ -115,22 +125,40 @@ MOK_HD void mok_plan_tile(const mok_task_plan_t *p, int64_t r, int32_t mt, int32
   t->n = (int32_t)(local / gm), t->m = g0 + (int32_t)(local % gm);
 }
 
-/* Tasks before the first expert stage. */
-MOK_HD int64_t mok_plan_sgu_count(const mok_task_plan_t *p) {
-  return (int64_t)(p->n_sgu > 0 ? p->t_tiles : 0) * p->n_sgu;
-}
-
 /* First task of expert stage s in [0, E + L]: GATE_UP(s) (s < E), then DOWN(s - L) (s >= L).
  * Stage E + L is the end of the expert stages. */
 MOK_HD int64_t mok_plan_stage_start(const mok_task_plan_t *p, int32_t s) {
   const int32_t g = s < p->E ? s : p->E, d = s - mok_plan_lag(p);
-  return mok_plan_sgu_count(p) + (int64_t)p->mt_pre[g] * p->n_gu +
+  return (int64_t)p->mt_pre[g] * p->n_gu +
          (int64_t)p->mt_pre[d < 0 ? 0 : (d > p->E ? p->E : d)] * p->n_down;
 }
 
+/* The shared expert's bands: U of them (0 without a shared expert), band v has
+ * mok_plan_band_tiles(v) token tiles from token tile v * shared_band. */
+MOK_HD int32_t mok_plan_bands(const mok_task_plan_t *p) {
+  const int32_t sb = mok_plan_shared_band(p);
+  return p->n_sgu > 0 ? (p->t_tiles + sb - 1) / sb : 0;
+}
+MOK_HD int32_t mok_plan_band_tiles(const mok_task_plan_t *p, int32_t v) {
+  const int32_t sb = mok_plan_shared_band(p), left = p->t_tiles - v * sb;
+  return v < 0 || v >= mok_plan_bands(p) ? 0 : (left < sb ? left : sb);
+}
+/* First task of shared stage u in [0, U + 1], counted from the end of the expert stages:
+ * SHARED_GATE_UP tiles of band u (u < U), then SHARED_DOWN tiles of band u - 1 (u >= 1). Only
+ * the last band can be short, so every stage before U - 1 ends a full band of each. */
+MOK_HD int64_t mok_plan_shared_start(const mok_task_plan_t *p, int32_t u) {
+  const int32_t U = mok_plan_bands(p), sb = mok_plan_shared_band(p);
+  if (u <= 0 || U == 0) return 0;
+  if (u > U) u = U + 1;
+  /* bands 0 .. u - 1 of SHARED_GATE_UP (all full but the last band) and 0 .. u - 2 of SHARED_DOWN */
+  const int64_t gu = u >= U ? p->t_tiles : (int64_t)u * sb;
+  const int64_t sd = u - 1 >= U ? p->t_tiles : (int64_t)(u - 1) * sb;
+  return gu * p->n_sgu + sd * p->n_sd;
+}
+
 MOK_HD int64_t mok_plan_num_tasks(const mok_task_plan_t *p) {
-  const int64_t sd = (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd;
-  return mok_plan_stage_start(p, p->E + mok_plan_lag(p)) + sd + p->t_tiles;
+  return mok_plan_stage_start(p, p->E + mok_plan_lag(p)) +
+         mok_plan_shared_start(p, mok_plan_bands(p) + 1) + p->t_tiles;
 }
 
 /* The expert stage of task i (mok_plan_stage_start(s) <= i < the next stage's start, empty stages
@@ -163,12 +191,6 @@ MOK_HD int32_t mok_plan_stage_of(const mok_task_plan_t *p, int64_t i, int32_t hi
  * expert task (unchanged otherwise). The task does not depend on the hint. */
 MOK_HD mok_task_t mok_plan_task_from(const mok_task_plan_t *p, int64_t i, int32_t *stage) {
   mok_task_t t = {MOK_TASK_REDUCE, -1, 0, 0};
-  const int64_t sgu = mok_plan_sgu_count(p);
-  if (i < sgu) {
-    t.kind = MOK_TASK_SHARED_GATE_UP;
-    mok_plan_tile(p, i, p->t_tiles, p->n_sgu, &t);
-    return t;
-  }
   const int64_t experts_end = mok_plan_stage_start(p, p->E + mok_plan_lag(p));
   if (i < experts_end) {
     const int32_t s = mok_plan_stage_of(p, i, *stage);
@@ -187,13 +209,26 @@ MOK_HD mok_task_t mok_plan_task_from(const mok_task_plan_t *p, int64_t i, int32_
     return t;
   }
   int64_t r = i - experts_end;
-  const int64_t sd = (int64_t)(p->n_sd > 0 ? p->t_tiles : 0) * p->n_sd;
-  if (r < sd) {
-    t.kind = MOK_TASK_SHARED_DOWN;
-    mok_plan_tile(p, r, p->t_tiles, p->n_sd, &t);
+  const int32_t U = mok_plan_bands(p);
+  const int64_t shared = mok_plan_shared_start(p, U + 1);
+  if (r < shared) {
+    /* stage u: stages 1 .. U - 2 are all as long as stage 1, so divide, then step to the last
+     * stage that starts at or before r */
+    const int64_t s1 = mok_plan_shared_start(p, 1), len = mok_plan_shared_start(p, 2) - s1;
+    int32_t u = r < s1 || len <= 0 ? 0 : 1 + (int32_t)((r - s1) / len);
+    if (u > U) u = U;
+    while (u > 0 && mok_plan_shared_start(p, u) > r) u--;
+    while (u < U && mok_plan_shared_start(p, u + 1) <= r) u++;
+    r -= mok_plan_shared_start(p, u);
+    const int64_t gu = (int64_t)mok_plan_band_tiles(p, u) * p->n_sgu;
+    const int32_t v = r < gu ? u : u - 1; /* the band */
+    t.kind = r < gu ? MOK_TASK_SHARED_GATE_UP : MOK_TASK_SHARED_DOWN;
+    mok_plan_tile(p, r < gu ? r : r - gu, mok_plan_band_tiles(p, v), r < gu ? p->n_sgu : p->n_sd,
+                  &t);
+    t.m += v * mok_plan_shared_band(p);
     return t;
   }
-  t.m = (int32_t)(r - sd);
+  t.m = (int32_t)(r - shared);
   return t;
 }
 

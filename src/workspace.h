@@ -123,16 +123,20 @@ MOK_WS_FN size_t mok_ws_align(size_t x) { return (x + 255) & ~(size_t)255; }
 /* The fused forward's counters (uint32, src/cuda/forward_fused.cu), each counting warpgroup
  * releases (2 per finished tile):
  *   MOK_FC_DOWN      routed DOWN tiles
- *   MOK_FC_SD        shared-expert down tiles
  *   MOK_FC_ABORT     nonzero once a wait timed out: every later wait gives up at once
  *   MOK_FC_TICKET    the next task number to hand out (one atomicAdd per task)
+ *   MOK_FC_CLAIM     the next token to reduce (one atomicAdd per token, by any warp)
  *   MOK_FC_GU + j    GATE_UP tiles of routed row tile j (tile_pre numbering), j < R/128 + E
- *   mok_fc_sgu + m   SHARED_GATE_UP tiles of token tile m, m < ceil(T_max / 128) */
-enum { MOK_FC_DOWN = 0, MOK_FC_SD = 1, MOK_FC_ABORT = 2, MOK_FC_TICKET = 3, MOK_FC_GU = 32,
+ *   mok_fc_sgu + m   SHARED_GATE_UP tiles of token tile m, m < ceil(T_max / 128)
+ *   mok_fc_sd + m    SHARED_DOWN tiles of token tile m */
+enum { MOK_FC_DOWN = 0, MOK_FC_ABORT = 2, MOK_FC_TICKET = 3, MOK_FC_CLAIM = 4, MOK_FC_GU = 32,
        MOK_FC_TILE_M = 128 };
 MOK_WS_FN int64_t mok_fc_sgu(int64_t R, int64_t E) { return MOK_FC_GU + R / MOK_FC_TILE_M + E; }
-MOK_WS_FN int64_t mok_fc_count(int64_t R, int64_t E, int64_t T_max) {
+MOK_WS_FN int64_t mok_fc_sd(int64_t R, int64_t E, int64_t T_max) {
   return mok_fc_sgu(R, E) + (T_max + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
+}
+MOK_WS_FN int64_t mok_fc_count(int64_t R, int64_t E, int64_t T_max) {
+  return mok_fc_sd(R, E, T_max) + (T_max + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
 }
 
 /* The layout kernels (src/cuda/layout_local.cu) split a call's T tokens into mok_ll_ctas(T)

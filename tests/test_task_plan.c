@@ -79,7 +79,7 @@ static int problem_init(problem_t *pb, uint64_t seed, int64_t T, int32_t E, int6
   if (!ok) return 0;
   pb->T = T, pb->K = K;
   for (int32_t e = 0; e < E; e++) pb->mt_pre[e + 1] = pb->mt_pre[e] + (int32_t)((pb->lay.expert_rows[e] + BM - 1) / BM);
-  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0};
+  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0, 0};
   pb->down_target = calloc((size_t)pb->plan.t_tiles + 1, sizeof(int64_t));
   for (int32_t e = 0; e < E; e++)
     for (int32_t m = 0; m < pb->mt_pre[e + 1] - pb->mt_pre[e]; m++) for_each_block(pb, e, m, add_target, pb);
@@ -240,30 +240,47 @@ MOK_TEST(task_plan_enumerates_every_task_once) {
     MOK_REQUIRE(problem_init(&pb, 11 + shared, 37, 6, 2, shared, 3, 2));
     pb.plan.lag = (variant / 2) % 4;   /* 0 (= 1), 1, 2, 3: with E = 6 */
     pb.plan.group_m = variant / 8;     /* 0 (row tile by row tile), 1, 2, 3 */
+    pb.plan.shared_band = variant % 5; /* 0 (= 8), 1, 2, 3, 4 token tiles per band of 10 */
     const mok_task_plan_t *p = &pb.plan;
     const int64_t n = mok_plan_num_tasks(p);
+    const int32_t sb = mok_plan_shared_band(p);
     unsigned char *seen = calloc((size_t)key_space(p), 1);
-    int64_t count[5] = {0}, dup = 0;
+    int64_t count[5] = {0}, dup = 0, sgu_seen = 0, band_order_bad = 0;
     int prev_kind_rank = -1, order_ok = 1;
     for (int64_t i = 0; i < n; i++) {
       mok_task_t t = mok_plan_task(p, i);
       dup += seen[key(p, t)]++;
       count[t.kind]++;
-      /* phase order: shared gate/up, expert stages, shared down, reduce */
-      int rank = t.kind == MOK_TASK_SHARED_GATE_UP ? 0 : t.kind <= MOK_TASK_DOWN ? 1 : t.kind == MOK_TASK_SHARED_DOWN ? 2 : 3;
+      /* phase order: expert stages, the shared expert, reduce */
+      int rank = t.kind <= MOK_TASK_DOWN && t.kind != MOK_TASK_SHARED_GATE_UP ? 0
+                 : t.kind == MOK_TASK_REDUCE                                 ? 2
+                                                                             : 1;
       order_ok &= rank >= prev_kind_rank;
       prev_kind_rank = rank;
+      /* the shared expert's band lag: a SHARED_DOWN tile of band v comes after every
+       * SHARED_GATE_UP tile of band v + 1 (or of all bands, for the last) */
+      sgu_seen += t.kind == MOK_TASK_SHARED_GATE_UP;
+      if (t.kind == MOK_TASK_SHARED_DOWN) {
+        const int64_t before = (t.m / sb + 2) * sb;
+        band_order_bad += sgu_seen < (before < p->t_tiles ? before : p->t_tiles) * p->n_sgu;
+      }
     }
+    MOK_EXPECT_MSG(band_order_bad == 0, "band %d: %lld SHARED_DOWN tiles before their band's lag",
+                   sb, (long long)band_order_bad);
     /* bands: within a block, the next tile is the next row tile of the band at the same column
-     * tile, or the band's first row tile at the next column tile, or the next band's first */
+     * tile, or the band's first row tile at the next column tile, or the next band's first (row
+     * tiles counted from the block's first: a shared band's first token tile) */
     int64_t group_breaks = 0;
     const int G = p->group_m;
     for (int64_t i = 0; G > 0 && i + 1 < n; i++) {
       const mok_task_t a = mok_plan_task(p, i), b = mok_plan_task(p, i + 1);
       if (a.kind != b.kind || a.expert != b.expert || a.kind == MOK_TASK_REDUCE) continue;
-      const int32_t g0 = a.m / G * G;
-      const int ok = (b.n == a.n && b.m == a.m + 1 && b.m % G != 0) ||
-                     (b.n == a.n + 1 && b.m == g0) || (b.n == 0 && b.m == a.m + 1 && b.m % G == 0);
+      const int shared_kind = a.kind == MOK_TASK_SHARED_GATE_UP || a.kind == MOK_TASK_SHARED_DOWN;
+      if (shared_kind && a.m / sb != b.m / sb) continue; /* the next band: another block */
+      const int32_t o = shared_kind ? a.m / sb * sb : 0, am = a.m - o, bm = b.m - o;
+      const int32_t g0 = am / G * G;
+      const int ok = (b.n == a.n && bm == am + 1 && bm % G != 0) ||
+                     (b.n == a.n + 1 && bm == g0) || (b.n == 0 && bm == am + 1 && bm % G == 0);
       group_breaks += !ok;
     }
     MOK_EXPECT_MSG(group_breaks == 0, "group_m %d: %lld steps out of the band order", G,
@@ -300,6 +317,7 @@ MOK_TEST(task_plan_never_deadlocks_under_adversarial_schedules) {
     MOK_REQUIRE(problem_init(&pb, seed, T, 5, K, (int)(seed & 1), 2, 3));
     pb.plan.lag = 1 + (int32_t)(seed % 3); /* 1, 2, 3; 5 experts */
     pb.plan.group_m = (int32_t)(seed / 2) % 3; /* 0, 1, 2 */
+    pb.plan.shared_band = (int32_t)(seed % 4); /* 0 (= 8), 1, 2, 3 token tiles */
     const int64_t n = mok_plan_num_tasks(&pb.plan);
     int64_t *identity = malloc(sizeof(int64_t) * (size_t)n);
     for (int64_t i = 0; i < n; i++) identity[i] = i;
@@ -332,6 +350,7 @@ MOK_TEST(task_plan_deferred_releases_never_deadlock) {
     MOK_REQUIRE(problem_init(&pb, seed, T, 5, K, (int)(seed & 1), 2, 3));
     pb.plan.lag = 1 + (int32_t)(seed % 3);
     pb.plan.group_m = (int32_t)(seed / 2) % 3;
+    pb.plan.shared_band = (int32_t)(seed % 4);
     const int64_t n = mok_plan_num_tasks(&pb.plan);
     int64_t *identity = malloc(sizeof(int64_t) * (size_t)n);
     for (int64_t i = 0; i < n; i++) identity[i] = i;

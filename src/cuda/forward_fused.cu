@@ -2,8 +2,9 @@
  * forward_fused.cu: the forward MoE layer on one GPU (W = 1, BF16) as one persistent kernel.
  *
  * It runs after the layout kernel (layout_local.cu) and walks the global task order of
- * src/task_plan.h: SHARED_GATE_UP tiles, then per expert stage s the GATE_UP tiles of expert s
- * and the DOWN tiles of expert s - L, then SHARED_DOWN tiles, then REDUCE blocks. Each CTA takes
+ * src/task_plan.h: per expert stage s the GATE_UP tiles of expert s and the DOWN tiles of expert
+ * s - L, then the shared expert by bands of token tiles (SHARED_GATE_UP tiles of band u and
+ * SHARED_DOWN tiles of band u - 1), then REDUCE. Each CTA takes
  * the tasks a ticket counter deals out in that order, one at a time; its producer warpgroup takes
  * the ticket, decodes the task, and the consumers read both from a tag in the task's first ring
  * stage:
@@ -18,8 +19,12 @@
  *                       epilogue of the task (SwiGLU + router weight; bf16 outputs through a
  *                       shared-memory staging buffer and TMA stores, fp32 from registers), then
  *                       release the task's counter.
- * A REDUCE block is shared by all three warpgroups of the CTA that took it (its stage in the ring
- * carries only the tag); a last tag-only stage tells the consumers that the tasks are gone.
+ * REDUCE is done token by token, each token claimed by one warp from a counter (MOK_FC_CLAIM) in
+ * token order: by the producer warpgroup's warps 1-3 as soon as their CTA reaches the shared
+ * expert (the "reduce helpers": from then on the shared expert's A comes by TMA, so warp 0 alone
+ * loads the ring while they reduce beside the consumers' MMA), and by every warp of a CTA whose
+ * tickets reach the REDUCE tasks (its first REDUCE stage in the ring carries only the tag); a last
+ * tag-only stage tells the consumers that the tasks are gone.
  *
  * Every tile is computed exactly as the unfused chain computes it (grouped_gemm.cu: same tile
  * shape, same K order, same epilogue code), and the reduce is rows_local.cuh's, so the results
@@ -29,7 +34,9 @@
  * releases, 2 per tile:
  *   DOWN(e, m, *)      waits for  GU[tile_pre[e] + m]  = 2 n_gu   (its rows of a are complete)
  *   SHARED_DOWN(m, *)  waits for  SGU[m]               = 2 n_sgu
- *   REDUCE(*)          waits for  DOWN = 2 n_down tile_pre[E]  and  SD = 2 n_sd t_tiles
+ *   token t's reduce   waits for  DOWN = 2 n_down tile_pre[E]  and  SD[t / 128] = 2 n_sd
+ * (each consumer warpgroup adds its DOWN tiles to DOWN when it leaves the expert stages: at its
+ * first shared-expert task, or before REDUCE).
  * A release: the warpgroup's stores, a named barrier, then one thread's fence + red.release.gpu.
  * A wait (producer thread 0, or one consumer thread per warpgroup): ld.acquire.gpu in a loop; a
  * TMA read of the data then follows a proxy fence (the data was written through the generic
@@ -83,8 +90,9 @@ struct fk_cfg {
 typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 0> fk_plan;
 static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)");
 
-// Every producer thread arrives on a full barrier once per stage (GATE_UP: its cp.async arrival;
-// other tasks: a plain one), thread 0 once more with the stage's TMA byte count.
+// A full barrier's arrivals: GATE_UP's gathered stages, each producer thread's cp.async arrival and
+// thread 0's with the stage's TMA byte count; stages loaded by TMA alone (and tag-only stages),
+// thread 0 for all (so that warp 0 alone can load them while warps 1-3 reduce).
 #define FK_FULL_ARRIVALS (128 + 1)
 // Named barrier of warpgroup wg's own 128 threads (epilogue, REDUCE): 1 + wg, so 1 (producer),
 // 2 and 3 (consumers).
@@ -126,6 +134,8 @@ typedef struct {
   uint64_t *trace;      // NULL: no trace
   uint64_t timeout_ns;
   uint32_t sgu_base;    // counter index of SGU[0]
+  uint32_t sd_base;     // counter index of SD[0]
+  int32_t shared_band;  // the plan's token tiles per band of the shared expert
   int32_t lag;          // the plan's lag (fk_lag)
   int32_t group_m;      // the plan's row tiles per band (src/task_plan.h)
   int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
@@ -189,7 +199,7 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
       d.b_lo = d.b_hi = &m.wsd;
       d.b_row_lo = d.n0, d.b_row_hi = d.n0 + 128;
       d.wait = (int)p.sgu_base + t.m, d.wait_target = 2u * (uint32_t)plan.n_sgu;
-      d.done = MOK_FC_SD;
+      d.done = (int)p.sd_base + t.m;
     }
   }
   return d;
@@ -283,8 +293,8 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
         ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
         ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
         if (kb == 0) fk_trace(p, tn, 5, ptx_globaltimer_ns());
+        ptx_mbar_arrive_count(bar, 128);  // for the whole warpgroup, which may be warp 0 alone
       }
-      ptx_mbar_arrive(bar);
       tp_ring_advance<FK_STAGES>(ring);
     }
     return;
@@ -328,16 +338,15 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
 }
 
 // A stage without data that only carries a tag to the consumers: a REDUCE task's number, or
-// FK_TAG_END. All 128 producer threads arrive (thread 0 twice), as on a data stage.
+// FK_TAG_END. Thread 0 arrives for the warpgroup (FK_FULL_ARRIVALS), as on a TMA stage.
 __device__ __forceinline__ void fk_post(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
                                         volatile int64_t *s_tag, volatile int4 *s_task,
                                         int64_t tag, const mok_task_t &task, int lt) {
-  ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
   if (lt == 0) {
+    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     fk_tag(s_tag, s_task, ring->stage, tag, task);
-    ptx_mbar_arrive(&full[ring->stage]);
+    ptx_mbar_arrive_count(&full[ring->stage], FK_FULL_ARRIVALS);
   }
-  ptx_mbar_arrive(&full[ring->stage]);
   tp_ring_advance<FK_STAGES>(ring);
 }
 
@@ -470,23 +479,39 @@ __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_
   return NULL;
 }
 
-// REDUCE(b) for warpgroup wg (all three take part: the producer has no loads left by then):
-// tokens 128 b + 4 wg + w, + 12, ... for its warp w, one warp per token.
-__device__ __forceinline__ void fk_reduce(const fk_params_t &p, const mok_task_plan_t &plan,
-                                          int b, int64_t task, int wg, int lt) {
+// The reduce, token by token (rows_local.cuh's sum, one warp per token): lane 0 claims the next
+// token from MOK_FC_CLAIM and waits until its inputs are complete (every routed DOWN tile, and the
+// shared expert's down tiles of its token tile), then the warp sums it. Until the tokens are gone.
+// Claims go in token order, so a warp's waits pass the counters in order: it remembers what it saw
+// complete. Any warp of the CTA may call it, alone.
+// NOTE (deadlock freedom): a token waits only on tile tasks, which wait on nothing a reduce does.
+__device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_task_plan_t &plan) {
   const mok_fwd_local_params_t &l = p.f.l;
-  if (lt == 0) {
-    fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]), task);
-    if (plan.n_sd > 0) fk_wait(p, MOK_FC_SD, 2u * (uint32_t)(plan.n_sd * plan.t_tiles), task);
-  }
-  __syncwarp();
-  ptx_named_barrier_sync(FK_BAR_WG + wg, 128);
-  const int64_t H8 = l.H / 8;
-  const int warp = lt / 32, lane = lt & 31;
-  const int64_t end = (int64_t)FK_BM * (b + 1) < l.T ? (int64_t)FK_BM * (b + 1) : l.T;
-  for (int64_t t = (int64_t)FK_BM * b + 4 * wg + warp; t < end; t += 12)
+  const int lane = threadIdx.x & 31;
+  // REDUCE(0)'s task number (a timed-out wait reports the REDUCE task of its token)
+  const int64_t H8 = l.H / 8, reduce0 = mok_plan_num_tasks(&plan) - plan.t_tiles;
+  bool down_done = false;
+  int64_t tile_done = -1;  // token tiles up to this one: their shared-expert tiles are done
+  for (;;) {
+    int64_t t = 0;
+    if (lane == 0) {
+      t = (int64_t)atomicAdd(l.counters + MOK_FC_CLAIM, 1u);
+      const int64_t tile = t / FK_BM;
+      if (t < l.T && !down_done) {
+        fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]), reduce0 + tile);
+        down_done = true;
+      }
+      if (t < l.T && plan.n_sd > 0 && tile > tile_done) {
+        fk_wait(p, (int)p.sd_base + (int)tile, 2u * (uint32_t)plan.n_sd, reduce0 + tile);
+        tile_done = tile;
+      }
+    }
+    __syncwarp();  // lane 0's acquire orders the other lanes' reads too
+    t = __shfl_sync(0xffffffffu, t, 0);
+    if (t >= l.T) return;
     rl_reduce_token(l.slot_row + t * l.K, l.K, H8, (const uint4 *)l.yk,
                     l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8, lane);
+  }
 }
 
 template <int STAGED, int ORDERED>
@@ -530,6 +555,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     q.mt_pre = s_pre;
     q.lag = p.lag;
     q.group_m = p.group_m;
+    q.shared_band = p.shared_band;
     s_plan = q;
     s_num_tasks = mok_plan_num_tasks(&q);
   }
@@ -559,10 +585,13 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     // the first stages came 2 us earlier but the mainloops ran 2-5% slower, and the traced
     // forward took longer at all three benchmark shapes (bench/NOTES.md, v11).
     int32_t stage = 0;
+    // solo: warps 1-3 have left to reduce (the shared expert's tiles need no gather); warp 0
+    // alone takes the tickets and loads the ring (its thread 0 arrives for all on TMA stages).
+    bool solo = false;
     for (uint32_t k = 0;; k++) {  // k: this CTA's task count = its trace record
       if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(l.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
-      ptx_named_barrier_sync(FK_BAR_WG + 0, 128);
+      ptx_named_barrier_sync(FK_BAR_WG + 0, solo ? 32 : 128);
       const int64_t i = s_ticket[k & 1];
       if (i >= num_tasks) {
         fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
@@ -571,9 +600,22 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       // The stage of this CTA's previous task starts the search (mok_plan_stage_of).
       const mok_task_t t = mok_plan_task_from(&plan, i, &stage);
       if (t.kind == MOK_TASK_REDUCE) {  // last in the order: every load of this CTA is issued
+        // The consumers reduce on this tag until the tokens are gone, then find the end tag; the
+        // CTA takes no more tickets (the claims do the other REDUCE tasks' work too).
         fk_post(&ring, full, empty, s_tag, s_task, i, t, lt);
-        fk_reduce(p, plan, t.m, i, wg, lt);
-        continue;
+        fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        fk_reduce_claims(p, plan);
+        break;
+      }
+      if (!solo && plan.n_sd > 0 &&
+          (t.kind == MOK_TASK_SHARED_GATE_UP || t.kind == MOK_TASK_SHARED_DOWN)) {
+        solo = true;  // the expert stages are over for this CTA: its last gather is issued
+        if (lt >= 32) {
+          asm volatile("cp.async.wait_all;" ::: "memory");
+          fk_reduce_claims(p, plan);
+          break;
+        }
       }
       const fk_tile_t d = fk_describe(p, m, plan, s_off, t);
       if (d.wait >= 0 && lt == 0) {
@@ -586,7 +628,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   } else {
     const int cw = wg - 1;
     uint8_t *stage_c = smem + P::C_OFFSET + cw * fk_cfg<STAGED>::WG_C_BYTES;  // STAGED only
-    uint32_t down_tiles = 0;
+    // DOWN tiles of this warpgroup, counted by the thread that releases them (in shared memory:
+    // the registers beside the accumulators are few), and whether they are added to MOK_FC_DOWN
+    // (the reduce waits for that)
+    __shared__ uint32_t s_down_tiles[2];
+    if (lt == 0) s_down_tiles[cw] = 0;
+    bool down_out = false;
     const bool tracer = cw == 0 && lt == 0;  // threadIdx.x == 128: fk_trace_now's thread
     if (tracer) fk_trace_n = 0;
     int64_t i;
@@ -608,6 +655,11 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         if (i < 0) break;
         const mok_task_t t = fk_task(&ring, s_task);
         if (t.kind == MOK_TASK_REDUCE) break;
+        if (!down_out && (t.kind == MOK_TASK_SHARED_GATE_UP || t.kind == MOK_TASK_SHARED_DOWN)) {
+          // the expert stages are over: the reduce helpers may start once every DOWN tile is in
+          fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, lt == 0 ? s_down_tiles[cw] : 0u, cw, lt);
+          down_out = true;
+        }
         if (tracer) fk_trace(p, fk_trace_n, 0, (uint64_t)t.kind << 56 | (uint64_t)i);
         fk_trace_now(p, 1);
         // Only what the mainloop needs is computed before it (the 128 accumulators leave few
@@ -627,23 +679,23 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_trace_now(p, 2);
         pending =
             fk_epilogue<STAGED>(p, m, fk_describe(p, m, plan, s_off, t), acc, w, stage_c, cw, lt);
-        down_tiles += t.kind == MOK_TASK_DOWN;
+        if (lt == 0 && t.kind == MOK_TASK_DOWN) s_down_tiles[cw]++;
         fk_trace_now(p, 3);
         if (tracer) fk_trace_n++;
       }
     }
     fk_deferred_release{pending, lt}();  // before REDUCE waits (and whatever waits on it)
-    fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, down_tiles, cw, lt);  // before REDUCE waits
-    while (i >= 0) {  // REDUCE tasks until the end tag
+    if (!down_out)
+      fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, lt == 0 ? s_down_tiles[cw] : 0u, cw, lt);
+    if (i >= 0) {  // a REDUCE tag: reduce until the tokens are gone, then the end tag
       if (tracer) {
         const uint64_t now = ptx_globaltimer_ns();
         fk_trace(p, fk_trace_n, 0, (uint64_t)MOK_TASK_REDUCE << 56 | (uint64_t)i);
         fk_trace(p, fk_trace_n, 1, now);
         fk_trace(p, fk_trace_n, 2, now);
       }
-      const int32_t block = fk_task(&ring, s_task).m;  // read before the stage is released
       fk_skip(&ring, empty);
-      fk_reduce(p, plan, block, i, wg, lt);
+      fk_reduce_claims(p, plan);
       if (tracer) fk_trace(p, fk_trace_n++, 3, ptx_globaltimer_ns());
       i = fk_peek(&ring, full, s_tag);
     }
@@ -721,6 +773,10 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   const double timeout_s = p->timeout_s > 0 ? p->timeout_s : 10.0;
   kp.timeout_ns = (uint64_t)(timeout_s * 1e9);
   kp.sgu_base = (uint32_t)mok_fc_sgu(R, E);
+  kp.sd_base = (uint32_t)mok_fc_sd(R, E, T);
+  // Token tiles per band of the shared expert (src/task_plan.h): 8, or MOK_FUSED_SHARED_BAND.
+  const char *sbe = getenv("MOK_FUSED_SHARED_BAND");
+  kp.shared_band = sbe && atoi(sbe) > 0 ? atoi(sbe) : 8;
   const char *tr = getenv("MOK_FUSED_TRACE");  // a device address (tuning aid, see FK_TRACE_*)
   kp.trace = tr && tr[0] ? (uint64_t *)(uintptr_t)strtoull(tr, NULL, 0) : NULL;
 

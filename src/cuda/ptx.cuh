@@ -86,6 +86,12 @@ __device__ __forceinline__ void ptx_mbar_arrive_at(uint32_t bar) {
 __device__ __forceinline__ void ptx_mbar_arrive(uint64_t *bar) {
   ptx_mbar_arrive_at(ptx_smem_addr(bar));
 }
+// `count` arrivals at once (one thread arriving for several).
+__device__ __forceinline__ void ptx_mbar_arrive_count(uint64_t *bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(ptx_smem_addr(bar)),
+               "r"(count)
+               : "memory");
+}
 
 // One arrival on the barrier at the same offset in CTA `cta` of the cluster (possibly this one).
 // NOTE: default (CTA-scope) release semantics on purpose: it orders nothing but this thread's
