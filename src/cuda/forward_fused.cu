@@ -226,13 +226,17 @@ __device__ __forceinline__ void fk_trace_now(const fk_params_t &p, int f) {
 }
 
 // Waits until counter `c` reaches `target` (acquire), or the timeout, or an abort.
-__device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task) {
+// sleep_ns: between polls. The reduce's claims use 1000: they wait long (a band of shared-expert
+// tiles), from up to ~400 warps at once, on few counters; with 64 ns between polls DeepSeek-V3's
+// forward was 2.6-3.5% slower (bench/NOTES.md v18).
+__device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task,
+                                     uint32_t sleep_ns = 64) {
   uint32_t *ctr = p.f.l.counters;
   uint32_t v = ptx_ld_acquire_gpu(ctr + c);
   if (v >= target) return;
   const uint64_t t0 = ptx_globaltimer_ns();
   for (;;) {
-    __nanosleep(64);
+    __nanosleep(sleep_ns);
     v = ptx_ld_acquire_gpu(ctr + c);
     if (v >= target) return;
     if (*(volatile uint32_t *)(ctr + MOK_FC_ABORT)) return;
@@ -498,11 +502,12 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
       t = (int64_t)atomicAdd(l.counters + MOK_FC_CLAIM, 1u);
       const int64_t tile = t / FK_BM;
       if (t < l.T && !down_done) {
-        fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]), reduce0 + tile);
+        fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]), reduce0 + tile,
+                1000);
         down_done = true;
       }
       if (t < l.T && plan.n_sd > 0 && tile > tile_done) {
-        fk_wait(p, (int)p.sd_base + (int)tile, 2u * (uint32_t)plan.n_sd, reduce0 + tile);
+        fk_wait(p, (int)p.sd_base + (int)tile, 2u * (uint32_t)plan.n_sd, reduce0 + tile, 1000);
         tile_done = tile;
       }
     }
