@@ -4,10 +4,9 @@
  * It runs after the layout kernel (layout_local.cu) and walks the global task order of
  * src/task_plan.h: per expert stage s the GATE_UP tiles of expert s and the DOWN tiles of expert
  * s - L, then the shared expert by bands of token tiles (SHARED_GATE_UP tiles of band u and
- * SHARED_DOWN tiles of band u - 1), then REDUCE. Each CTA takes
- * the tasks a ticket counter deals out in that order, one at a time; its producer warpgroup takes
- * the ticket, decodes the task, and the consumers read both from a tag in the task's first ring
- * stage:
+ * SHARED_DOWN tiles of band u - 1), then REDUCE. Each CTA takes the tasks a ticket counter deals
+ * out in that order, one at a time; its producer warpgroup takes the ticket, decodes the task,
+ * and the consumers read both from a tag in the task's first ring stage:
  *
  *   producer warpgroup  fills the ring of tile_pipeline.cuh. B always comes by TMA (thread 0).
  *                       A comes by TMA too, except for GATE_UP, whose rows are tokens of x in
@@ -47,6 +46,9 @@
  * producer never waits on a task of its own CTA that is not already loaded: it runs ahead only by
  * issuing loads), and the launch is cooperative, so every CTA is resident. Then the earliest
  * unfinished task is held by a running CTA and its dependencies are finished, so it finishes.
+ * A token's reduce waits only on tile tasks (DOWN, SHARED_DOWN), and no tile waits on a reduce:
+ * the reduce helpers are warps apart from the one that loads the ring, and the consumers reduce
+ * only after their last tile, so every tile finishes as above, and then every reduce.
  * Waits are still bounded (timeout_s): a wait that times out reports MOK_ERROR_TIMEOUT through
  * the error word, raises MOK_FC_ABORT so that every other wait gives up at once, and the kernel
  * runs to its end with wrong results instead of hanging.
@@ -94,8 +96,8 @@ static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)
 // thread 0's with the stage's TMA byte count; stages loaded by TMA alone (and tag-only stages),
 // thread 0 for all (so that warp 0 alone can load them while warps 1-3 reduce).
 #define FK_FULL_ARRIVALS (128 + 1)
-// Named barrier of warpgroup wg's own 128 threads (epilogue, REDUCE): 1 + wg, so 1 (producer),
-// 2 and 3 (consumers).
+// Named barrier of warpgroup wg's own threads: 1 + wg, so 1 (the producer's tickets: 128 threads,
+// or warp 0's 32 once warps 1-3 reduce), 2 and 3 (the consumers' epilogues and releases).
 #define FK_BAR_WG 1
 #define FK_TAG_END (-1)  // tag of the stage that tells the consumers there is no task left
 
