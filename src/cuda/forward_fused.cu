@@ -503,14 +503,16 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
     if (lane == 0) {
       t = (int64_t)atomicAdd(l.counters + MOK_FC_CLAIM, 1u);
       const int64_t tile = t / FK_BM;
-      if (t < l.T && !down_done) {
-        fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]), reduce0 + tile,
-                1000);
-        down_done = true;
-      }
-      if (t < l.T && plan.n_sd > 0 && tile > tile_done) {
-        fk_wait(p, (int)p.sd_base + (int)tile, 2u * (uint32_t)plan.n_sd, reduce0 + tile, 1000);
-        tile_done = tile;
+      if (t < l.T) {
+        if (!down_done) {
+          fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]),
+                  reduce0 + tile, 1000);
+          down_done = true;
+        }
+        if (plan.n_sd > 0 && tile > tile_done) {
+          fk_wait(p, (int)p.sd_base + (int)tile, 2u * (uint32_t)plan.n_sd, reduce0 + tile, 1000);
+          tile_done = tile;
+        }
       }
     }
     __syncwarp();  // lane 0's acquire orders the other lanes' reads too
@@ -595,6 +597,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     // solo: warps 1-3 have left to reduce (the shared expert's tiles need no gather); warp 0
     // alone takes the tickets and loads the ring (its thread 0 arrives for all on TMA stages).
     bool solo = false;
+    bool reduce = false;  // this thread's warp reduces after the loop (fk_reduce_claims)
     for (uint32_t k = 0;; k++) {  // k: this CTA's task count = its trace record
       if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(l.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
@@ -611,16 +614,14 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         // CTA takes no more tickets (the claims do the other REDUCE tasks' work too).
         fk_post(&ring, full, empty, s_tag, s_task, i, t, lt);
         fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
-        asm volatile("cp.async.wait_all;" ::: "memory");
-        fk_reduce_claims(p, plan);
+        reduce = true;
         break;
       }
       if (!solo && plan.n_sd > 0 &&
           (t.kind == MOK_TASK_SHARED_GATE_UP || t.kind == MOK_TASK_SHARED_DOWN)) {
         solo = true;  // the expert stages are over for this CTA: its last gather is issued
         if (lt >= 32) {
-          asm volatile("cp.async.wait_all;" ::: "memory");
-          fk_reduce_claims(p, plan);
+          reduce = true;
           break;
         }
       }
@@ -632,6 +633,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, k);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
+    if (reduce) fk_reduce_claims(p, plan);
   } else {
     const int cw = wg - 1;
     uint8_t *stage_c = smem + P::C_OFFSET + cw * fk_cfg<STAGED>::WG_C_BYTES;  // STAGED only
