@@ -25,41 +25,69 @@ __device__ __forceinline__ void rl_add_bf16x8(float (&acc)[8], uint4 v) {
   }
 }
 
+// A chunk's sum starts from the shared expert's fp32 row (ys_t) or from zero; a chunk past the
+// row (has false) reads nothing.
+__device__ __forceinline__ void rl_load_ys(const float4 *ys_t, int64_t c, bool has,
+                                           float (&acc)[8]) {
+  if (ys_t && has) {
+    const float4 a = __ldcg(ys_t + 2 * c), b = __ldcg(ys_t + 2 * c + 1);
+    acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
+    acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+  }
+}
+
+__device__ __forceinline__ uint4 rl_pack_bf16x8(const float (&acc)[8]) {
+  uint4 out;
+  __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
+#pragma unroll
+  for (int j = 0; j < 4; j++) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return out;
+}
+
 // rows [K]: the expert-order row of each slot of the token (< 0: empty); yk [R, H/8] of 16-byte
 // chunks; ys_t: the token's fp32 shared-expert row or NULL; y_t: the token's bf16 output row.
+// Latency, not bandwidth, bounds a warp here: each lane keeps the loads of CHUNKS chunks (8 slot
+// rows and 2 shared-expert halves each) in flight. CHUNKS = 2 suits few warps per SM (the fused
+// forward's reduce beside the shared expert, 3 warps per SM); with 12 warps per SM, 2 measured
+// slower than 1 (bench/NOTES.md v19).
+template <int CHUNKS>
 __device__ __forceinline__ void rl_reduce_token(const int32_t *rows, int64_t K, int64_t H8,
                                                 const uint4 *yk, const float4 *ys_t, uint4 *y_t,
                                                 int lane) {
-  for (int64_t c = lane; c < H8; c += 32) {
-    float acc[8];
-    if (ys_t) {
-      const float4 a = __ldcg(ys_t + 2 * c), b = __ldcg(ys_t + 2 * c + 1);
-      acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
-      acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
-    } else {
+  for (int64_t c0 = lane; c0 < H8; c0 += 32 * CHUNKS) {
+    bool has[CHUNKS];
+    float acc[CHUNKS][8];
 #pragma unroll
-      for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+    for (int u = 0; u < CHUNKS; u++) {
+      has[u] = c0 + 32 * u < H8;
+      rl_load_ys(ys_t, c0 + 32 * u, has[u], acc[u]);
     }
-    // Slots in groups of 8: the 8 loads are issued together (latency, not bandwidth, bounds a
-    // warp here), then added in slot order; empty slots are skipped, not added as zeros (-0 + 0
-    // would turn a -0 sum into +0).
+    // Slots in groups of 8: the loads of a group are issued together, then added in slot order;
+    // empty slots are skipped, not added as zeros (-0 + 0 would turn a -0 sum into +0).
     for (int64_t k0 = 0; k0 < K; k0 += 8) {
       int32_t r[8];
-      uint4 v[8];
+      uint4 v[CHUNKS][8];
 #pragma unroll
       for (int j = 0; j < 8; j++) {
         r[j] = k0 + j < K ? rows[k0 + j] : -1;
-        v[j] = r[j] >= 0 ? __ldcg(yk + (int64_t)r[j] * H8 + c) : make_uint4(0, 0, 0, 0);
+        const uint4 *src = yk + (int64_t)r[j] * H8 + c0;
+#pragma unroll
+        for (int u = 0; u < CHUNKS; u++)
+          v[u][j] = r[j] >= 0 && has[u] ? __ldcg(src + 32 * u) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < 8; j++)  // slot order: the order of the fp32 additions
-        if (r[j] >= 0) rl_add_bf16x8(acc, v[j]);
-    }
-    uint4 out;
-    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
+        if (r[j] >= 0) {
 #pragma unroll
-    for (int j = 0; j < 4; j++) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-    y_t[c] = out;
+          for (int u = 0; u < CHUNKS; u++) rl_add_bf16x8(acc[u], v[u][j]);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < CHUNKS; u++)
+      if (has[u]) y_t[c0 + 32 * u] = rl_pack_bf16x8(acc[u]);
   }
 }
 

@@ -24,14 +24,19 @@
 /* Against the CPU layer                                                                           */
 /* ---------------------------------------------------------------------------------------------- */
 
-static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, route_t route, const char *what) {
+static void sized_case(int64_t H, int64_t I, int64_t E, int64_t K, int64_t Is, int64_t T,
+                       route_t route, const char *what) {
   fwd_problem_t p;
-  fwd_problem_init(&p, 256, I, 8, K, Is, T, T > 0 ? T : 16);
+  fwd_problem_init(&p, H, I, E, K, Is, T, T > 0 ? T : 16);
   fwd_route(&p, route);
   fwd_gpu_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   fwd_check_against_cpu(&g, &p, what);
   fwd_gpu_close(&g);
+}
+
+static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, route_t route, const char *what) {
+  sized_case(256, I, 8, K, Is, T, route, what);
 }
 
 MOK_TEST(fwd_gpu_matches_cpu_small) {
@@ -59,6 +64,9 @@ MOK_TEST(fwd_gpu_routing_edge_cases) {
   small_case(128, 0, 2, 1, plain, "T = 1");
   small_case(128, 128, 2, 257, plain, "T = 257 (not a multiple of 128)");
   small_case(128, 0, 8, 700, plain, "K = 8, T = 700 (two layout rounds)");
+  // The reduce adds slots in groups of 8 and keeps two 16-byte chunks per lane in flight: 12
+  // slots make two groups, H = 384 (48 chunks) gives half the lanes a second chunk.
+  sized_case(384, 128, 16, 12, 128, 300, many_empty, "K = 12 of E = 16, H = 384, -1 slots");
 
   // T = 0 on a layer with T_max = 16: succeeds and reports no error.
   fwd_problem_t p;
