@@ -40,7 +40,15 @@ __device__ __forceinline__ epi_coords_t epi_coords(int64_t row0, int64_t row_end
 
 // silu(g) = g / (1 + e^-g) with the fast exponential and divide (a few ulp; the result is rounded
 // to bf16). For g < -88, e^-g is inf and __fdividef returns 0, the limit.
-__device__ __forceinline__ float epi_silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+// The exponential is ex2.approx.ftz(-g log2 e): an FMUL and a MUFU.EX2. __expf (ex2.approx
+// without .ftz) adds three instructions per element to rescale results below 2^-126, which here
+// only ever get added to 1: the same bits, and the SwiGLU epilogue is bound by its instruction
+// count (bench/NOTES.md v19).
+__device__ __forceinline__ float epi_silu(float g) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  return __fdividef(g, 1.0f + e);
+}
 
 // Router weights of this thread's two rows (1 where there is no row or no weight array). Loaded
 // before the tile's mainloop so that the global-load latency hides behind the MMA.
