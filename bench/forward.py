@@ -11,7 +11,8 @@ run by default: the forward is the layout kernel plus one fused persistent kerne
 unfused kernel chain (MOK_FORWARD=chain) is timed in the same run (chain_ms), and so is the fused
 kernel reading rows gathered by a kernel first (fused_pregathered_ms); y must be the same bits
 every way (fused_equals_chain). Each model also gets a forward + backward case against the
-pipeline under torch.autograd (FLOPs 3x the forward's).
+pipeline under torch.autograd (FLOPs 3x the forward's), with fp32 weight gradients, or bf16 ones
+(the pipeline's dtype; the row's "wgrad") where fp32 ones do not fit beside the pipeline.
 
 Shapes: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 (with its shared expert), T = 16384 tokens,
 top-8 routing drawn uniformly at random. Each case first checks MoK's y against the pipeline's
@@ -291,13 +292,14 @@ def run_case(model, args, gen):
                chain_ms=chain_ms, chain_ratio=base_ms / chain_ms, fused_pregathered_ms=xg_ms)
     rows = [row]
 
-    # Forward + backward: mok_forward + mok_backward (fp32 weight gradients) against the same
-    # pipeline under torch.autograd (leaves x, topk_w and the weights; the gate/up concatenation
-    # is inside the timed region, as in a training step that keeps separate weights).
+    # Forward + backward: mok_forward + mok_backward (fp32 weight gradients; bf16 ones, like the
+    # pipeline's, where fp32 ones do not fit beside the pipeline's autograd state: DeepSeek-V3's
+    # are 45 GB) against the same pipeline under torch.autograd (leaves x, topk_w and the weights;
+    # the gate/up concatenation is inside the timed region, as in a training step that keeps
+    # separate weights).
+    wgu_t = None  # the forward case's concatenated gate/up weights (15 GB at DeepSeek-V3)
+    torch.cuda.empty_cache()
     dy = (torch.randn(T, H, device=dev, generator=gen) * 0.1).bfloat16()
-    grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(tw)}
-    for k, v in w.items():
-        grads["d" + k] = torch.empty(v.shape, device=dev, dtype=torch.float32)
     leaves = {k: v.detach().requires_grad_() for k, v in w.items()}
     xl, twl = x.detach().requires_grad_(), tw.detach().requires_grad_()
 
@@ -312,19 +314,40 @@ def run_case(model, args, gen):
         wgu = torch.cat([leaves["wg"], leaves["wu"]], dim=1).transpose(1, 2)
         torch_pipeline(xl, idx, twl, wgu, leaves["wd"].transpose(1, 2), sh).backward(dy)
 
-    try:
-        mok_step()
-        layer.check()
-        base_step()
-    except torch.cuda.OutOfMemoryError as e:  # DeepSeek-V3's fp32 weight gradients are 45 GB
-        print(f"{model} fwd+bwd: skipped, out of device memory ({str(e).splitlines()[0]})")
-        layer.close()
-        return rows
+    for wgrad_fp32 in (True, False):
+        if not wgrad_fp32:  # a layer whose backward writes bf16 weight gradients
+            layer.close()
+            layer = mok.Layer(H, I, E, K, max_tokens=T, shared_intermediate=Is, device="cuda:0",
+                              wgrad_fp32=False)
+            if layer.context_bytes() > ctx.numel():
+                ctx = torch.empty(layer.context_bytes(), device=dev, dtype=torch.uint8)
+        grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(tw)}
+        for k, v in w.items():
+            grads["d" + k] = torch.empty(v.shape, device=dev,
+                                         dtype=torch.float32 if wgrad_fp32 else torch.bfloat16)
+        try:
+            mok_step()
+            layer.check()
+            base_step()
+            break
+        except torch.cuda.OutOfMemoryError as e:
+            grads = None
+            for t in [xl, twl, *leaves.values()]:
+                t.grad = None
+            torch.cuda.empty_cache()
+            what = "fp32" if wgrad_fp32 else "bf16"
+            print(f"{model} fwd+bwd: out of device memory with {what} weight gradients "
+                  f"({str(e).splitlines()[0]})" + ("; trying bf16 ones" if wgrad_fp32 else
+                                                   "; skipped"))
+            if not wgrad_fp32:
+                layer.close()
+                return rows
     errs = {"dx": rel_err(grads["dx"], xl.grad), "dtopk_w": rel_err(grads["dtopk_w"], twl.grad),
             "dwd": rel_err(grads["dwd"], leaves["wd"].grad.float()),
             "dwg": rel_err(grads["dwg"], leaves["wg"].grad.float())}
     brow = dict(row, case=f"{model}/T{T}/fwd+bwd",
                 mok_path="fused forward kernel + backward kernel chain (src/gpu_backward.c)",
+                wgrad="fp32" if wgrad_fp32 else "bf16",
                 rel_err_vs_baseline=max(errs.values()),
                 rel_errs=errs, baseline=row["baseline"] + ", torch.autograd backward")
     for k in ("mok_ms", "baseline_ms", "ratio", "tflops", "baseline_tflops", "chain_ms",
