@@ -48,7 +48,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-from gemm import git_commit, lib_b_name, rel_err, time_ms, with_env  # noqa: E402
+from gemm import default_rounds, git_commit, lib_b_name, rel_err, time_ms, with_env  # noqa: E402
 import mok  # noqa: E402
 import mok._lib  # noqa: E402
 
@@ -386,7 +386,7 @@ def main():
                     help="print the device time of each kernel of the fused forward and the chain, "
                          "and the fused kernel's task trace")
     args = ap.parse_args()
-    args.rounds = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
+    args.rounds = default_rounds(args)
     args.lib_b = [load_lib_b(path) for path in args.lib_b.split(",")] if args.lib_b else []
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []

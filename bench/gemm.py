@@ -174,6 +174,12 @@ def counts_unaligned(routing, rows, experts, gen):
     return c[perm]
 
 
+def default_rounds(args):
+    """--rounds when given, else one launch per round (--reps) with --lib-b, else 3: coarser
+    rounds gave A/B results that flipped sign between runs (bench/NOTES.md v15)."""
+    return max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
+
+
 def time_ms(fns, warmup, reps, rounds):
     """Median ms of each function. The functions are timed in alternating rounds of reps/rounds
     launches, so that a clock or thermal drift during the case affects all of them alike, in an
@@ -579,7 +585,7 @@ def main():
                          "list (each must write the default's bits)")
     args = ap.parse_args()
     args.commit_resolved = git_commit(args.commit)
-    args.rounds = max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
+    args.rounds = default_rounds(args)
     lib = load_lib(args.lib)
     args.lib_b = [load_lib(path) for path in args.lib_b.split(",")] if args.lib_b else []
     gen = torch.Generator().manual_seed(1234)
