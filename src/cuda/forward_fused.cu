@@ -490,12 +490,11 @@ __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_
 // shared expert's down tiles of its token tile), then the warp sums it. Until the tokens are gone.
 // Claims go in token order, so a warp's waits pass the counters in order: it remembers what it saw
 // complete. Any warp of the CTA may call it, alone.
-// helper: the warp left the producer at the shared expert (3 warps per SM reduce beside the tiles;
-// their lanes keep two chunks' loads in flight, rl_reduce_token<2>); the others come at the end,
-// 12 warps per SM, one chunk each.
+// Each lane keeps two chunks' loads in flight (rl_reduce_token<2>): against one, the 3 helper warps
+// per SM beside the shared expert left a 85 us tail instead of 320 at DeepSeek-V3, and the final
+// reduce on all 12 warps took 308 us instead of 330 at Qwen3-235B (bench/NOTES.md v19).
 // NOTE (deadlock freedom): a token waits only on tile tasks, which wait on nothing a reduce does.
-__device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_task_plan_t &plan,
-                                              bool helper) {
+__device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_task_plan_t &plan) {
   const mok_fwd_local_params_t &l = p.f.l;
   const int lane = threadIdx.x & 31;
   // REDUCE(0)'s task number (a timed-out wait reports the REDUCE task of its token)
@@ -522,12 +521,9 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
     __syncwarp();  // lane 0's acquire orders the other lanes' reads too
     t = __shfl_sync(0xffffffffu, t, 0);
     if (t >= l.T) return;
-    const int32_t *rows = l.slot_row + t * l.K;
-    const float4 *ys_t = l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL;
-    if (helper)
-      rl_reduce_token<2>(rows, l.K, H8, (const uint4 *)l.yk, ys_t, (uint4 *)l.y + t * H8, lane);
-    else
-      rl_reduce_token<1>(rows, l.K, H8, (const uint4 *)l.yk, ys_t, (uint4 *)l.y + t * H8, lane);
+    rl_reduce_token<2>(l.slot_row + t * l.K, l.K, H8, (const uint4 *)l.yk,
+                       l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8,
+                       lane);
   }
 }
 
@@ -641,7 +637,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, k);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
-    if (reduce) fk_reduce_claims(p, plan, solo && lt >= 32);  // warps 1-3 as helpers
+    if (reduce) fk_reduce_claims(p, plan);
   } else {
     const int cw = wg - 1;
     uint8_t *stage_c = smem + P::C_OFFSET + cw * fk_cfg<STAGED>::WG_C_BYTES;  // STAGED only
@@ -712,7 +708,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_trace(p, fk_trace_n, 2, now);
       }
       fk_skip(&ring, empty);
-      fk_reduce_claims(p, plan, false);
+      fk_reduce_claims(p, plan);
       if (tracer) fk_trace(p, fk_trace_n++, 3, ptx_globaltimer_ns());
       i = fk_peek(&ring, full, s_tag);
     }

@@ -50,9 +50,8 @@ __device__ __forceinline__ uint4 rl_pack_bf16x8(const float (&acc)[8]) {
 // rows [K]: the expert-order row of each slot of the token (< 0: empty); yk [R, H/8] of 16-byte
 // chunks; ys_t: the token's fp32 shared-expert row or NULL; y_t: the token's bf16 output row.
 // Latency, not bandwidth, bounds a warp here: each lane keeps the loads of CHUNKS chunks (8 slot
-// rows and 2 shared-expert halves each) in flight. CHUNKS = 2 suits few warps per SM (the fused
-// forward's reduce beside the shared expert, 3 warps per SM); with 12 warps per SM, 2 measured
-// slower than 1 (bench/NOTES.md v19).
+// rows and 2 shared-expert halves each) in flight. The fused forward's reduce, 3 to 12 warps per
+// SM, uses 2 (bench/NOTES.md v19); the unfused reduce kernel, with many warps per SM, 1.
 template <int CHUNKS>
 __device__ __forceinline__ void rl_reduce_token(const int32_t *rows, int64_t K, int64_t H8,
                                                 const uint4 *yk, const float4 *ys_t, uint4 *y_t,
