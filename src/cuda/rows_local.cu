@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(RL_THREADS)
   if (!rl_token_rows(p.slot_row, p.T, p.K, t, rows)) return;
   const int64_t H8 = p.H / 8;
   rl_reduce_token<1>(rows, p.K, H8, (const uint4 *)p.yk,
-                  p.ys ? (const float4 *)p.ys + t * (H8 * 2) : NULL, (uint4 *)p.y + t * H8, lane);
+                     p.ys ? (const float4 *)p.ys + t * (H8 * 2) : NULL, (uint4 *)p.y + t * H8,
+                     lane);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
