@@ -12,7 +12,8 @@ unfused kernel chain (MOK_FORWARD=chain) is timed in the same run (chain_ms), an
 kernel reading rows gathered by a kernel first (fused_pregathered_ms); y must be the same bits
 every way (fused_equals_chain). Each model also gets a forward + backward case against the
 pipeline under torch.autograd (FLOPs 3x the forward's), with fp32 weight gradients, or bf16 ones
-(the pipeline's dtype; the row's "wgrad") where fp32 ones do not fit beside the pipeline.
+(the pipeline's dtype; the row's "wgrad") where fp32 ones do not fit beside the pipeline, or as
+--wgrad says.
 
 Shapes: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 (with its shared expert), T = 16384 tokens,
 top-8 routing drawn uniformly at random. Each case first checks MoK's y against the pipeline's
@@ -21,7 +22,7 @@ CUDA events after warm-up (median). FLOPs: 6 T K H I + 6 T H Is. Appends one JSO
 to --jsonl (default bench/results/forward.jsonl).
 
     python3 bench/forward.py [--commit SHA] [--cases substring] [--reps 20]
-                             [--variant NAME:VAR=VALUE ...] [--profile]
+                             [--variant NAME:VAR=VALUE ...] [--profile] [--wgrad auto]
 
 --profile also prints the device time of every kernel of the fused forward and of the chain
 (torch.profiler, mean of a few launches), and the fused kernel's task trace (MOK_FUSED_TRACE):
@@ -314,7 +315,7 @@ def run_case(model, args, gen):
         wgu = torch.cat([leaves["wg"], leaves["wu"]], dim=1).transpose(1, 2)
         torch_pipeline(xl, idx, twl, wgu, leaves["wd"].transpose(1, 2), sh).backward(dy)
 
-    for wgrad_fp32 in (True, False):
+    for wgrad_fp32 in {"auto": (True, False), "fp32": (True,), "bf16": (False,)}[args.wgrad]:
         if not wgrad_fp32:  # a layer whose backward writes bf16 weight gradients
             layer.close()
             layer = mok.Layer(H, I, E, K, max_tokens=T, shared_intermediate=Is, device="cuda:0",
@@ -336,10 +337,10 @@ def run_case(model, args, gen):
                 t.grad = None
             torch.cuda.empty_cache()
             what = "fp32" if wgrad_fp32 else "bf16"
+            retry = wgrad_fp32 and args.wgrad == "auto"
             print(f"{model} fwd+bwd: out of device memory with {what} weight gradients "
-                  f"({str(e).splitlines()[0]})" + ("; trying bf16 ones" if wgrad_fp32 else
-                                                   "; skipped"))
-            if not wgrad_fp32:
+                  f"({str(e).splitlines()[0]})" + ("; trying bf16 ones" if retry else "; skipped"))
+            if not wgrad_fp32 or args.wgrad == "fp32":
                 layer.close()
                 return rows
     errs = {"dx": rel_err(grads["dx"], xl.grad), "dtopk_w": rel_err(grads["dtopk_w"], twl.grad),
@@ -382,6 +383,9 @@ def main():
     ap.add_argument("--lib-b", default=None, metavar="PATH[,PATH...]",
                     help="A/B: also time the fused forward of these other libmok.so builds in the "
                          "same rounds (each must give the same bits; columns lib_b, lib_b2, ...)")
+    ap.add_argument("--wgrad", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="MoK's weight gradients in the forward + backward case: fp32, bf16 (the "
+                         "pipeline's dtype), or auto: fp32, bf16 where fp32 ones do not fit")
     ap.add_argument("--profile", action="store_true",
                     help="print the device time of each kernel of the fused forward and the chain, "
                          "and the fused kernel's task trace")
