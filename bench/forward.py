@@ -101,6 +101,15 @@ def with_lib(fn, lib):
     return run
 
 
+def same_bits(fn, check, y, y_ref):
+    """Whether fn (a forward writing y, then its layer's check) writes y_ref's bits into y, which
+    is filled with NaN first so that a forward that writes nothing cannot pass."""
+    y.fill_(float("nan"))
+    fn()
+    check()
+    return torch.equal(y.view(torch.int16), y_ref.view(torch.int16))
+
+
 def kernel_times(fn, iters=3):
     """[(kernel name, mean device ms per call)] of fn's kernels in launch order, by torch.profiler."""
     fn()
@@ -249,10 +258,7 @@ def run_case(model, args, gen):
     for spec in args.variant:
         name, _, envs = spec.partition(":")
         fn = with_env(mok_fwd, dict(kv.split("=", 1) for kv in envs.split(",") if kv))
-        y.fill_(float("nan"))
-        fn()
-        layer.check()
-        if not torch.equal(y.view(torch.int16), y_chain.view(torch.int16)):
+        if not same_bits(fn, layer.check, y, y_chain):
             print(f"{model}: variant {name} ({envs}) gives other bits than the chain")
             row["variant_differs"] = name
         variants[f"variant_{name}_ms"] = fn
@@ -264,10 +270,7 @@ def run_case(model, args, gen):
                                              device="cuda:0"), lib_b)()
         layers_b.append((layer_b, lib_b))
         fn = with_lib(lambda lb=layer_b: lb.forward(x, idx, tw, w, y, ctx, stream=stream), lib_b)
-        y.fill_(float("nan"))
-        fn()
-        with_lib(layer_b.check, lib_b)()
-        if not torch.equal(y.view(torch.int16), y_chain.view(torch.int16)):
+        if not same_bits(fn, with_lib(layer_b.check, lib_b), y, y_chain):
             print(f"{model}: --lib-b {i + 1} gives other bits than the chain")
             row["variant_differs"] = lib_b_name(i)
         variants[lib_b_name(i)] = fn
