@@ -123,6 +123,20 @@ __device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, co
   return v.x >= 0;
 }
 
+// Whether consumer warpgroup rows [wg_row0, wg_row0 + 64) of a tile, all past its group's end,
+// may skip the tile's MMA (the consumer loops' `idle`: it only releases the stages, and the tile
+// takes about half the time). Not when the tiles come in bands (group_m > 0): there the CTAs
+// that share a B column block take consecutive units of the fixed order, and a CTA whose tile is
+// cut short runs ahead of its band's partners onto other column blocks, which B streamed from
+// HBM then pays for. Computing the unused rows instead (never stored) kept the CTAs in step and
+// was faster wherever groups end in short row tiles: DeepSeek-V3 skewed gate/up 13.10 against
+// 14.13 ms, SwiGLU 13.15 against 13.61, down 7.00 against 7.18; the same elsewhere (bench/NOTES.md
+// v20). Clusters keep the skip: their pairs move in step anyway.
+__device__ __forceinline__ bool gg_skip_rows(const gg_kernel_params_t &p, int cluster,
+                                             int wg_row0, int row_end) {
+  return (cluster > 1 || p.group_m == 0) && wg_row0 >= row_end;
+}
+
 // Staged store of output columns [128 H, 128 H + 128) of a consumer warpgroup's tile (or of its
 // 128 SwiGLU columns): gemm_epilogue.cuh's epi_store_staged on named barrier 1 + cw.
 // WAIT = -1 when round H has a buffer of its own (the 64 KB staging area), so that only the first
@@ -213,7 +227,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       if (EPI == MOK_GG_EPI_SWIGLU) w = epi_row_scales(p.row_scale, e);
       const int wg_row0 = tile.row0 + 64 * cw;
       tp_consume_tile_bf16_n256<GG_BM, STAGES, C_BYTES, CLUSTER, B_NMAJOR>(
-          &ring, smem, full, empty, p.k_blocks, cw, wg_row0 >= tile.row_end, acc);
+          &ring, smem, full, empty, p.k_blocks, cw, gg_skip_rows(p, CLUSTER, wg_row0, tile.row_end),
+          acc);
       // SwiGLU with bf16 g, u outputs too stores everything from registers (3 outputs per tile).
       const bool staged = TMA_STORE && wg_row0 + 64 <= tile.row_end &&
                           (EPI != MOK_GG_EPI_SWIGLU || (!p.g_out && !p.u_out));

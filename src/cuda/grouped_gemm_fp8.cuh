@@ -138,8 +138,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         // SMEM_A: this thread's first row in the slot, which starts at row0 & ~3
         sc.sa = ptx_smem_addr(smem) + Q::SLOTS_OFFSET + 4 * (int)(row - (tile.row0 & ~3));
         tp_consume_tile_fp8_n128<GG8_BM, STAGES, C_BYTES, SMEM_A>(
-            &ring, smem, full, empty, p.k_blocks, cw, tile.row0 + 64 * cw >= tile.row_end, sc,
-            total);
+            &ring, smem, full, empty, p.k_blocks, cw,
+            gg_skip_rows(p, 1, tile.row0 + 64 * cw, tile.row_end), sc, total);
       }
       // Everything else of the epilogue is computed after the mainloop, whose two `part` sets
       // leave little room.

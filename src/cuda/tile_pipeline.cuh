@@ -250,7 +250,8 @@ __device__ __forceinline__ void tp_turn_pass(int wg, int kb, int k_blocks) {
 // idle: none of this warpgroup's 64 rows is stored (the last row tile of a group, with at most 64
 // rows left): it only releases the stages as they arrive and leaves acc undefined, so the other
 // warpgroup's wgmmas get the tensor cores to themselves and the tile takes about half the time.
-// (Not with ORDERED, whose turns both warpgroups must take.)
+// (Not with ORDERED, whose turns both warpgroups must take. The grouped GEMMs pass it only when
+// their tiles are not in bands: grouped_gemm.cu's gg_skip_rows.)
 // after_first: called once the first stage's wgmmas are issued (or at once, idle), for work that
 // may overlap the tile's MMA (the fused kernel's deferred release of the previous tile); it must
 // not wait on anything another CTA or warpgroup has yet to do, and leaves the warps converged.

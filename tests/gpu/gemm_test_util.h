@@ -104,14 +104,15 @@ static inline int group_of_row(const problem_t &pr, int r) {
 // Runs `body` in each kernel configuration of the launcher's table: staged (TMA-store) epilogue
 // with 2-CTA clusters sharing B (MOK_GG_CLUSTER=2), staged without clusters (the default), direct
 // stores (MOK_GG_TMA_STORE=0), staged with 4 stages and 32 KB of staging (MOK_GG_STAGES=4). The
-// first and third take their tiles in bands of 3 and 2 row units (MOK_TILE_GROUP), the others
-// row unit by row unit (the default for weights this small).
+// first, third and fourth take their tiles in bands of 3, 2 and 2 row units (MOK_TILE_GROUP;
+// in bands, a warpgroup whose rows are all past its group's end computes them anyway), the
+// second row unit by row unit (the default for weights this small).
 enum { GEMM_MODES = 4 };
 static inline void set_gemm_mode(int mode) {
   setenv("MOK_GG_TMA_STORE", mode == 2 ? "0" : "1", 1);
   setenv("MOK_GG_CLUSTER", mode == 0 ? "2" : "1", 1);
   setenv("MOK_GG_STAGES", mode == 3 ? "4" : "3", 1);
-  setenv("MOK_TILE_GROUP", mode == 0 ? "3" : mode == 2 ? "2" : "0", 1);
+  setenv("MOK_TILE_GROUP", mode == 0 ? "3" : mode >= 2 ? "2" : "0", 1);
 }
 static inline void clear_gemm_mode(void) {
   unsetenv("MOK_GG_TMA_STORE");
