@@ -132,11 +132,14 @@ MOK_WS_FN size_t mok_ws_align(size_t x) { return (x + 255) & ~(size_t)255; }
 enum { MOK_FC_DOWN = 0, MOK_FC_ABORT = 2, MOK_FC_TICKET = 3, MOK_FC_CLAIM = 4, MOK_FC_GU = 32,
        MOK_FC_TILE_M = 128 };
 MOK_WS_FN int64_t mok_fc_sgu(int64_t R, int64_t E) { return MOK_FC_GU + R / MOK_FC_TILE_M + E; }
+MOK_WS_FN int64_t mok_fc_token_tiles(int64_t T_max) {
+  return (T_max + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
+}
 MOK_WS_FN int64_t mok_fc_sd(int64_t R, int64_t E, int64_t T_max) {
-  return mok_fc_sgu(R, E) + (T_max + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
+  return mok_fc_sgu(R, E) + mok_fc_token_tiles(T_max);
 }
 MOK_WS_FN int64_t mok_fc_count(int64_t R, int64_t E, int64_t T_max) {
-  return mok_fc_sd(R, E, T_max) + (T_max + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
+  return mok_fc_sd(R, E, T_max) + mok_fc_token_tiles(T_max);
 }
 
 /* The layout kernels (src/cuda/layout_local.cu) split a call's T tokens into mok_ll_ctas(T)
