@@ -49,7 +49,8 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-from gemm import default_rounds, git_commit, lib_b_name, rel_err, time_ms, with_env  # noqa: E402
+from gemm import (case_selected, default_rounds, git_commit, lib_b_name, load_libs,  # noqa: E402
+                  rel_err, time_ms, with_env)
 import mok  # noqa: E402
 import mok._lib  # noqa: E402
 
@@ -394,13 +395,13 @@ def main():
                          "and the fused kernel's task trace")
     args = ap.parse_args()
     args.rounds = default_rounds(args)
-    args.lib_b = [load_lib_b(path) for path in args.lib_b.split(",")] if args.lib_b else []
+    args.lib_b = load_libs(args.lib_b, load_lib_b)
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []
     print(f"{'case':28s} {'mok ms':>8s} {'TF/s':>6s} {'torch ms':>9s} {'TF/s':>6s} {'ratio':>6s} "
           f"{'rel err':>8s} {'chain ms':>9s} {'pregath ms':>10s}")
     for model in MODELS:
-        if not any(c in model for c in args.cases.split(",")):
+        if not case_selected(model, args.cases):
             continue
         for r in run_case(model, args, gen):
             rows.append(r)

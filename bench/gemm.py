@@ -79,6 +79,17 @@ def load_lib(path):
     return lib
 
 
+def load_libs(paths, loader):
+    """The libraries of a --lib-b list ("PATH[,PATH...]", or None), each loaded by `loader`."""
+    return [loader(path) for path in paths.split(",")] if paths else []
+
+
+def case_selected(name, cases):
+    """Whether a case runs under --cases: every case for "", else those whose name contains one of
+    the comma list's parts."""
+    return not cases or any(c in name for c in cases.split(","))
+
+
 def counts_for(routing, rows, experts, gen, align=1):
     c = counts_unaligned(routing, rows, experts, gen)
     if align > 1:  # round down to multiples of align, give the remainder to expert 0
@@ -587,7 +598,7 @@ def main():
     args.commit_resolved = git_commit(args.commit)
     args.rounds = default_rounds(args)
     lib = load_lib(args.lib)
-    args.lib_b = [load_lib(path) for path in args.lib_b.split(",")] if args.lib_b else []
+    args.lib_b = load_libs(args.lib_b, load_lib)
     gen = torch.Generator().manual_seed(1234)
     torch.manual_seed(1234)
     cases = [(f"{m}/{g}/{r}", run_case, (m, g, r)) for m in MODELS
@@ -600,7 +611,7 @@ def main():
                   for g in ("gate_up", "down") for r in ("balanced", "skewed")]
     rows = []
     for name, run, (model, gemm, routing) in cases:
-        if args.cases and not any(c in name for c in args.cases.split(",")):
+        if not case_selected(name, args.cases):
             continue
         row = run(lib, model, gemm, routing, args, gen)
         rows.append(row)
