@@ -240,6 +240,52 @@ __device__ __forceinline__ void epi_store_staged(const float (&acc)[NACC], uint8
   }
 }
 
+// fp32 staging: column chunks [J0, J0 + 16) of a [64, 256] fragment (128 columns) as 4 chunks of
+// [64 rows, 32 columns] = [64][128 B] with the 128-byte swizzle (32 KB; what a TMA map of fp32 with
+// box [64, 32] reads). The pair of column chunk j sits at byte 32 ((j - J0) % 4) + 8 (lane % 4) of
+// its row in fp32 chunk (j - J0) / 4, i.e. 16-byte unit 2 ((j - J0) % 4) + (lane % 4) / 2; with the
+// swizzle's XOR by the row (mod 8) the 32 lanes' 8-byte stores fill two wavefronts, the minimum.
+__device__ __forceinline__ void epi_st_shared_f32x2(uint32_t addr, float lo, float hi) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(lo), "f"(hi) : "memory");
+}
+template <int J0>
+__device__ __forceinline__ void epi_stage_f32(const float (&acc)[128], const uint8_t *stage) {
+  static_assert(J0 == 0 || J0 == 16, "one half of the [64, 256] fragment");
+  const int t = threadIdx.x & 127, rr0 = 16 * (t / 32) + (t & 31) / 4, q = t & 3;
+  // bits 4-6 of the row's address are zero, so the swizzled unit is one XOR away
+  const uint32_t base = (ptx_smem_addr(stage) + rr0 * 128 + 8 * (q & 1)) |
+                        (uint32_t)((((q >> 1) ^ rr0) & 7) << 4);
+#pragma unroll
+  for (int j = J0; j < J0 + 16; j++) {
+    const int jj = j - J0;
+    const uint32_t addr = (base ^ (uint32_t)((jj & 3) << 5)) + (uint32_t)((jj >> 2) * 8192);
+    epi_st_shared_f32x2(addr, acc[4 * j], acc[4 * j + 1]);
+    epi_st_shared_f32x2(addr + 1024, acc[4 * j + 2], acc[4 * j + 3]);  // row + 8: same swizzle
+  }
+}
+
+// Staged fp32 store of columns [col, col + 128) of a consumer warpgroup's [64, 256] accumulator
+// (half H): registers -> the 32 KB staging area -> four bulk stores of [64, 32] at
+// (col + 32 ch, row0), committed as one bulk group. Every half uses the same buffer: its issuing
+// thread first waits until the copy engine has read the previous one.
+template <int H>
+__device__ __forceinline__ void epi_store_staged_f32(const float (&acc)[128], uint8_t *stage_c,
+                                                     const CUtensorMap *tm_c, int col, int n,
+                                                     int row0, int bar_id, int lt) {
+  if (lt == 0) ptx_bulk_wait_group_read<0>();
+  ptx_named_barrier_sync(bar_id, 128);
+  epi_stage_f32<16 * H>(acc, stage_c);
+  ptx_fence_proxy_async_smem();
+  ptx_named_barrier_sync(bar_id, 128);
+  if (lt == 0) {
+#pragma unroll
+    for (int ch = 0; ch < 4; ch++) {
+      if (col + 32 * ch < n) ptx_tma_store_2d(tm_c, stage_c + ch * 8192, col + 32 * ch, row0);
+    }
+    ptx_bulk_commit_group();
+  }
+}
+
 // Output columns [col0 + 128 H, col0 + 128 H + 128) of a plain [64, 256] tile (half H).
 template <int H, int WAIT>
 __device__ __forceinline__ void epi_store_staged_bf16(const float (&acc)[128], uint8_t *stage_c,

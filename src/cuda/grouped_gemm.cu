@@ -12,10 +12,11 @@
  * synchronizes.
  *
  * Configurations (compile-time, one dispatch table in mok_grouped_gemm_launch):
- *   staged  (default for bf16 outputs): 3 stages + 64 KB output staging, TMA bulk stores that
- *           drain while the next tile's MMA runs; partial row tiles fall back to direct stores;
- *           MOK_GG_STAGES=4: 4 stages + 32 KB staging in two rounds;
- *   direct  (MOK_GG_TMA_STORE=0; always for fp32 outputs): 4 stages, stores from registers;
+ *   staged  (default for bf16 outputs and fp32 stores): 3 stages + 64 KB output staging, TMA
+ *           bulk stores that drain while the next tile's MMA runs (fp32: two rounds of 32 KB per
+ *           warpgroup); partial row tiles fall back to direct stores; MOK_GG_STAGES=4 (bf16
+ *           only): 4 stages + 32 KB staging in two rounds;
+ *   direct  (MOK_GG_TMA_STORE=0; always for fp32 accumulation): 4 stages, stores from registers;
  *   cluster (MOK_GG_CLUSTER=2, K-major B, bf16 outputs): staged + 2-CTA clusters multicasting B.
  * Measured on an H200 in bench/NOTES.md.
  */
@@ -36,7 +37,7 @@
 enum { GG_BM = 128, GG_BN = 256, GG_BK_BF16 = 64 };
 
 // Configurations, chosen per launch (see the launcher):
-//   direct: 4 stages, the epilogue stores from registers (fp32 epilogues always use this);
+//   direct: 4 stages, the epilogue stores from registers (fp32 accumulation always uses this);
 //   staged (default for bf16 outputs), 3 stages + 64 KB of output staging: each consumer
 //           warpgroup stages its whole [64, 256] bf16 piece and leaves it to TMA bulk stores;
 //   staged, 4 stages + 32 KB (MOK_GG_STAGES=4): 128 columns at a time, the second round waiting
@@ -162,8 +163,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   constexpr int C_BYTES = TMA_STORE ? GG_C_BYTES(STAGES) : 0;
   constexpr int ONE_BUFFER = C_BYTES == 2 * 64 * 128 * 2;  // 128 columns per warpgroup
   typedef tp_plan<GG_BM, GG_BN, STAGES, C_BYTES> P;
-  static_assert(!TMA_STORE || EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_SWIGLU,
-                "staged stores are bf16 only");
+  static_assert(!TMA_STORE || EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_SWIGLU ||
+                    (EPI == MOK_GG_EPI_STORE_F32 && STAGES == 3),
+                "staged: bf16, or fp32 stores through 32 KB per warpgroup");
   static_assert(!B_NMAJOR || (CLUSTER == 1 && EPI != MOK_GG_EPI_SWIGLU), "N-major B: plain GEMM");
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
@@ -233,7 +235,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       const bool staged = TMA_STORE && wg_row0 + 64 <= tile.row_end &&
                           (EPI != MOK_GG_EPI_SWIGLU || (!p.g_out && !p.u_out));
       if (staged) {
-        if (EPI == MOK_GG_EPI_SWIGLU) {
+        if (EPI == MOK_GG_EPI_STORE_F32) {  // two rounds of 32 KB through the same buffer
+          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, 1 + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.n0 + 128, p.n, wg_row0, 1 + cw, lt);
+        } else if (EPI == MOK_GG_EPI_SWIGLU) {
           gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
         } else {  // 256 columns: two rounds of 128
           gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
@@ -464,11 +469,12 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
                                       (uint64_t)p->n, 64)
               : tma_encode_bf16_sw128(&m.b, p->b, rows_b, (uint64_t)p->k, 128)) ||
       tma_encode_bf16_sw128(&m.b2, swiglu ? p->b2 : p->b, rows_b, (uint64_t)p->k, 128) ||
-      (bf16_out && tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)))
+      (bf16_out ? tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)
+                : tma_encode_f32_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)))
     return MOK_ERROR_CUDA;
-  if (!bf16_out) m.c = m.a;  // unused
 
-  // The configuration table: (staged, cluster) for bf16 outputs, direct stores for fp32.
+  // The configuration table: (staged, cluster) for bf16 outputs, staged or direct for fp32
+  // stores, direct for fp32 accumulation.
   const int staged = gg_use_tma_store();
   const int pair = staged && !nmajor && gg_use_cluster() == 2 && grid >= 2;
   const int auto_grid = p->num_sms == 0;
@@ -487,10 +493,15 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
                           : GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 4, 1, 1, 0);
       break;
     case MOK_GG_EPI_STORE_F32:
-      err = nmajor ? GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 1)
-                   : GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 0);
+      err = nmajor ? (staged ? GG_LAUNCH(MOK_GG_EPI_STORE_F32, 3, 1, 1, 1)
+                             : GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 1))
+                   : (staged ? GG_LAUNCH(MOK_GG_EPI_STORE_F32, 3, 1, 1, 0)
+                             : GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 0));
       break;
     case MOK_GG_EPI_ACCUM_F32:
+      // NOTE: staged through TMA's reduce-add (c += acc by the memory system, the same bits),
+      // the backward's dx accumulation at DeepSeek-V3 took 12.06 ms against 10.92 from registers
+      // (at Qwen3-235B 4.44 against 4.74; bench/NOTES.md v20): it stays direct.
       err = nmajor ? GG_LAUNCH(MOK_GG_EPI_ACCUM_F32, S4, 0, 1, 1)
                    : GG_LAUNCH(MOK_GG_EPI_ACCUM_F32, S4, 0, 1, 0);
       break;

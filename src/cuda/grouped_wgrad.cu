@@ -20,12 +20,14 @@
  * (accumulate).
  *
  * Configurations (one dispatch table in mok_grouped_wgrad_launch), as in grouped_gemm.cu:
- *   staged (default for bf16 outputs): 3 stages + 64 KB output staging; each consumer warpgroup
- *          stages its [64, 256] bf16 piece in swizzled shared memory and leaves it to TMA bulk
- *          stores over the [G N, K] view of C, which drain while the next tile's MMA runs (a tile
- *          reduces only R / E rows, ~16 blocks for Qwen3-235B, so an unhidden epilogue costs a
- *          lot); row tiles that end past N[g] fall back to direct stores;
- *   direct (MOK_GG_TMA_STORE=0; always for fp32 outputs): 4 stages, stores from registers.
+ *   staged (default): 3 stages + 64 KB output staging; each consumer warpgroup stages its
+ *          [64, 256] piece in swizzled shared memory and leaves it to TMA bulk copies over the
+ *          [G N, K] view of C, which drain while the next tile's MMA runs (a tile reduces only
+ *          R / E rows, ~8 blocks at DeepSeek-V3, so an unhidden epilogue costs a lot): bf16 in
+ *          one round of 32 KB per warpgroup, fp32 in two rounds of 32 KB (the second waits until
+ *          the copy engine has read the first); row tiles that end past N[g] fall back to direct
+ *          stores;
+ *   direct (MOK_GG_TMA_STORE=0; always for fp32 accumulation): 4 stages, stores from registers.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -82,13 +84,14 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     gw_bf16_kernel(const __grid_constant__ gw_kernel_params_t p,
                    const __grid_constant__ CUtensorMap tm_a,  // A [M_total, N], box [64, 64]
                    const __grid_constant__ CUtensorMap tm_b,  // B [M_total, K], box [64, 64]
-                   const __grid_constant__ CUtensorMap tm_c)  // C [G N, K] bf16, box [64, 64]
+                   const __grid_constant__ CUtensorMap tm_c)  // C [G N, K]: bf16, box [64, 64];
+                                                              // fp32, box [64, 32]
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_STORE_F32 ||
                     EPI == MOK_GG_EPI_ACCUM_F32,
                 "weight gradients: store bf16, store fp32 or accumulate fp32");
-  static_assert(!TMA_STORE || EPI == MOK_GG_EPI_STORE_BF16, "staged stores are bf16 only");
+  static_assert(!TMA_STORE || EPI != MOK_GG_EPI_ACCUM_F32, "staged: stores only");
   constexpr int C_BYTES = TMA_STORE ? GW_C_BYTES : 0;
   typedef tp_plan<GW_BM, GW_BN, STAGES, C_BYTES> P;
   extern __shared__ uint8_t smem_raw[];
@@ -115,7 +118,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     ptx_setmaxnreg_inc<GW_CONSUMER_REGS>();
     const int cw = wg - 1;             // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
     const int lt = threadIdx.x & 127;  // thread within the warpgroup
-    uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // [2 rounds][2][64][128 B]
+    uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // 32 KB: [4][64][128 B]
     float acc[128];                    // [64, 256] fragment of this warpgroup
     while (gw_sched_next(&sched, &tile)) {
       const int k_blocks = (tile.rows + GW_BK - 1) / GW_BK;
@@ -132,9 +135,14 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       const int c_row = tile.c_row0 + 64 * cw;  // first row of this warpgroup's piece in C[g]
       if (TMA_STORE && c_row + 64 <= p.n) {     // all 64 rows inside C[g]: staged
         const int row = tile.group * p.n + c_row;  // in the [G N, K] view (< 2^31: launcher)
-        epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
-        epi_store_staged_bf16<1, -1>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row, 1 + cw,
-                                    lt);
+        if (EPI == MOK_GG_EPI_STORE_BF16) {
+          epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
+          epi_store_staged_bf16<1, -1>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row,
+                                       1 + cw, lt);
+        } else {
+          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0 + 128, p.k, row, 1 + cw, lt);
+        }
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c + c_off, e);
       } else {
@@ -196,8 +204,8 @@ static cudaError_t gw_launch(const gw_kernel_params_t *kp, const CUtensorMap *ma
   return cudaGetLastError();
 }
 
-// Staged (TMA) stores for bf16 outputs unless MOK_GG_TMA_STORE=0 (the grouped GEMM's knob, read
-// at every launch: tests and benchmarks compare the two configurations).
+// Staged (TMA) stores unless MOK_GG_TMA_STORE=0 (the grouped GEMM's knob, read at every launch:
+// tests and benchmarks compare the two configurations).
 static int gw_use_tma_store(void) {
   const char *e = getenv("MOK_GG_TMA_STORE");
   return (e && e[0] == '0') ? 0 : 1;
@@ -233,12 +241,14 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   // Maps over [max(M_total, 1), cols]: with M_total = 0 no tile loads anything, but the encoder
   // needs a non-empty tensor.
   const uint64_t rows = p->m_total > 0 ? (uint64_t)p->m_total : 1;
-  const int staged = p->epilogue == MOK_GG_EPI_STORE_BF16 && gw_use_tma_store();
+  const int staged = gw_use_tma_store();
+  const int bf16_out = p->epilogue == MOK_GG_EPI_STORE_BF16;
+  const uint64_t c_rows = (uint64_t)(p->num_groups * p->n);
   CUtensorMap ma, mb, mc;
   if (tma_encode_bf16_sw128(&ma, p->a, rows, (uint64_t)p->n, GW_BK) ||
       tma_encode_bf16_sw128(&mb, p->b, rows, (uint64_t)p->k, GW_BK) ||
-      (staged && tma_encode_bf16_sw128(&mc, p->c, (uint64_t)(p->num_groups * p->n),
-                                       (uint64_t)p->k, 64)))
+      (staged && (bf16_out ? tma_encode_bf16_sw128(&mc, p->c, c_rows, (uint64_t)p->k, 64)
+                           : tma_encode_f32_sw128(&mc, p->c, c_rows, (uint64_t)p->k, 64))))
     return MOK_ERROR_CUDA;
   if (!staged) mc = ma;  // unused
 
@@ -251,9 +261,10 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
                    : gw_launch<MOK_GG_EPI_STORE_BF16, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
       break;
     case MOK_GG_EPI_STORE_F32:
-      err = gw_launch<MOK_GG_EPI_STORE_F32, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
+      err = staged ? gw_launch<MOK_GG_EPI_STORE_F32, S3, 1>(&kp, &ma, &mb, &mc, grid, s)
+                   : gw_launch<MOK_GG_EPI_STORE_F32, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
       break;
-    default:
+    default:  // accumulation stays direct, as in grouped_gemm.cu (its NOTE)
       err = gw_launch<MOK_GG_EPI_ACCUM_F32, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
       break;
   }

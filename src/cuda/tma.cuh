@@ -71,6 +71,12 @@ static inline int tma_encode_bf16_sw128(CUtensorMap *map, const void *base, uint
   return tma_encode_sw128(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, rows, cols, box_rows);
 }
 
+// fp32 [rows, cols], box [box_rows, 32]: staged fp32 output tiles.
+static inline int tma_encode_f32_sw128(CUtensorMap *map, const void *base, uint64_t rows,
+                                       uint64_t cols, uint32_t box_rows) {
+  return tma_encode_sw128(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, rows, cols, box_rows);
+}
+
 // e4m3 bytes [rows, cols], box [box_rows, 128]: K-major fp8 operand tiles.
 static inline int tma_encode_e4m3_sw128(CUtensorMap *map, const void *base, uint64_t rows,
                                         uint64_t cols, uint32_t box_rows) {

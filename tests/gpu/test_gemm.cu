@@ -222,11 +222,11 @@ MOK_TEST(gemm_bf16_store_bf16_int64_offsets) {
 }
 MOK_TEST(gemm_bf16_store_f32_matches_cpu) {
   if (!gpu_present()) MOK_SKIP("no CUDA device");
-  check_small(ragged_small(), MOK_GG_EPI_STORE_F32, 0);
+  FOR_BOTH_STORE_MODES(check_small(ragged_small(), MOK_GG_EPI_STORE_F32, 0));
 }
 MOK_TEST(gemm_bf16_accum_f32_matches_cpu) {
   if (!gpu_present()) MOK_SKIP("no CUDA device");
-  check_small(ragged_small(), MOK_GG_EPI_ACCUM_F32, 1);
+  FOR_BOTH_STORE_MODES(check_small(ragged_small(), MOK_GG_EPI_ACCUM_F32, 1));
 }
 MOK_TEST(gemm_bf16_swiglu_matches_cpu) {
   if (!gpu_present()) MOK_SKIP("no CUDA device");
@@ -240,8 +240,8 @@ MOK_TEST(gemm_bf16_nmajor_b_matches_cpu) {
   if (!gpu_present()) MOK_SKIP("no CUDA device");
   problem_t pr = make_problem(384, 192, {0, 1, 127, 128, 129, 0, 300, 0}, 5, 37);
   FOR_BOTH_STORE_MODES(check_small(pr, MOK_GG_EPI_STORE_BF16, 0, 1, 1));
-  check_small(pr, MOK_GG_EPI_STORE_F32, 0, 1, 1);
-  check_small(pr, MOK_GG_EPI_ACCUM_F32, 1, 1, 1);
+  FOR_BOTH_STORE_MODES(check_small(pr, MOK_GG_EPI_STORE_F32, 0, 1, 1));
+  FOR_BOTH_STORE_MODES(check_small(pr, MOK_GG_EPI_ACCUM_F32, 1, 1, 1));
 }
 
 MOK_TEST(gemm_bf16_all_groups_empty) {
