@@ -38,8 +38,9 @@ enum { GG_BM = 128, GG_BN = 256, GG_BK_BF16 = 64 };
 
 // Configurations, chosen per launch (see the launcher):
 //   direct: 4 stages, the epilogue stores from registers (fp32 accumulation always uses this);
-//   staged (default for bf16 outputs), 3 stages + 64 KB of output staging: each consumer
-//           warpgroup stages its whole [64, 256] bf16 piece and leaves it to TMA bulk stores;
+//   staged (default for bf16 outputs and fp32 stores), 3 stages + 64 KB of output staging: each
+//           consumer warpgroup stages its whole [64, 256] bf16 piece (fp32: in two rounds of 128
+//           columns) and leaves it to TMA bulk stores;
 //   staged, 4 stages + 32 KB (MOK_GG_STAGES=4): 128 columns at a time, the second round waiting
 //           until the copy engine has read the first.
 // NOTE: a consumer holds two stages at a time (the block it issues and the one still in flight),
