@@ -205,41 +205,6 @@ __device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const
   }
 }
 
-// Staged bf16 store of 128 columns of a consumer warpgroup's [64, 256] accumulator (NACC = 128;
-// the fp8 kernel's [64, 128] one: NACC = 64): column chunks [J0, J0 + 16) of the fragment
-// (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in chunks 16-31 with router weights w
-// (SWIGLU = 1, J0 = 0, NACC = 128). Registers -> swizzled staging [2 chunks][64 rows][128 B]
-// (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of the map, committed as one
-// bulk group; chunks at or past column n are skipped (TMA clips the rest at the map's bounds).
-// bar_id: a named barrier of this warpgroup's 128 threads; lt: the thread within it (0 issues).
-// NOTE: the staging buffer may still be read by earlier bulk stores of the issuing thread: with
-// WAIT >= 0 that thread first waits until at most WAIT of its latest bulk groups still read shared
-// memory (those must use other buffers), then the warpgroup meets; WAIT = -1 when nothing earlier
-// reads this buffer. Ordinary shared-memory stores need the proxy fence before the copy engine
-// reads them.
-template <int J0, int SWIGLU, int WAIT, int NACC>
-__device__ __forceinline__ void epi_store_staged(const float (&acc)[NACC], uint8_t *stage_c,
-                                                 const CUtensorMap *tm_c, float2 w, int col, int n,
-                                                 int row0, int bar_id, int lt) {
-  static_assert(!SWIGLU || (J0 == 0 && NACC == 128), "SwiGLU reads g and u from all 32 chunks");
-  if (WAIT >= 0) {
-    if (lt == 0) ptx_bulk_wait_group_read<WAIT < 0 ? 0 : WAIT>();
-    ptx_named_barrier_sync(bar_id, 128);
-  }
-  if (SWIGLU)
-    epi_stage_swiglu<NACC>(acc, stage_c, w);
-  else
-    epi_stage_bf16<NACC, J0, 16>(acc, stage_c);
-  ptx_fence_proxy_async_smem();
-  ptx_named_barrier_sync(bar_id, 128);
-  if (lt == 0) {
-#pragma unroll
-    for (int ch = 0; ch < 2; ch++)
-      if (col + 64 * ch < n) ptx_tma_store_2d(tm_c, stage_c + ch * 8192, col + 64 * ch, row0);
-    ptx_bulk_commit_group();
-  }
-}
-
 // fp32 staging: column chunks [J0, J0 + 16) of a [64, 256] fragment (128 columns) as 4 chunks of
 // [64 rows, 32 columns] = [64][128 B] with the 128-byte swizzle (32 KB; what a TMA map of fp32 with
 // box [64, 32] reads). The pair of column chunk j sits at byte 32 ((j - J0) % 4) + 8 (lane % 4) of
@@ -264,24 +229,43 @@ __device__ __forceinline__ void epi_stage_f32(const float (&acc)[128], const uin
   }
 }
 
-// Staged fp32 store of columns [col, col + 128) of a consumer warpgroup's [64, 256] accumulator
-// (half H): registers -> the 32 KB staging area -> four bulk stores of [64, 32] at
-// (col + 32 ch, row0), committed as one bulk group. Every half uses the same buffer: its issuing
-// thread first waits until the copy engine has read the previous one.
-template <int H>
-__device__ __forceinline__ void epi_store_staged_f32(const float (&acc)[128], uint8_t *stage_c,
-                                                     const CUtensorMap *tm_c, int col, int n,
-                                                     int row0, int bar_id, int lt) {
-  if (lt == 0) ptx_bulk_wait_group_read<0>();
-  ptx_named_barrier_sync(bar_id, 128);
-  epi_stage_f32<16 * H>(acc, stage_c);
+// Staged store of 128 columns of a consumer warpgroup's [64, 256] accumulator (NACC = 128; the
+// fp8 kernel's [64, 128] one: NACC = 64): column chunks [J0, J0 + 16) of the fragment
+// (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in chunks 16-31 with router weights w
+// (SWIGLU = 1, J0 = 0, NACC = 128). bf16: registers -> swizzled staging [2 chunks][64 rows][128 B]
+// (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of the map; F32 (NACC = 128,
+// SWIGLU = 0): epi_stage_f32's [4 chunks][64 rows][128 B] (32 KB) -> four bulk stores of [64, 32]
+// at (col + 32 ch, row0) of an fp32 map. Committed as one bulk group; chunks at or past column n
+// are skipped (TMA clips the rest at the map's bounds).
+// bar_id: a named barrier of this warpgroup's 128 threads; lt: the thread within it (0 issues).
+// NOTE: the staging buffer may still be read by earlier bulk stores of the issuing thread: with
+// WAIT >= 0 that thread first waits until at most WAIT of its latest bulk groups still read shared
+// memory (those must use other buffers), then the warpgroup meets; WAIT = -1 when nothing earlier
+// reads this buffer. Ordinary shared-memory stores need the proxy fence before the copy engine
+// reads them.
+template <int J0, int SWIGLU, int WAIT, int NACC, int F32 = 0>
+__device__ __forceinline__ void epi_store_staged(const float (&acc)[NACC], uint8_t *stage_c,
+                                                 const CUtensorMap *tm_c, float2 w, int col, int n,
+                                                 int row0, int bar_id, int lt) {
+  static_assert(!SWIGLU || (J0 == 0 && NACC == 128), "SwiGLU reads g and u from all 32 chunks");
+  static_assert(!F32 || (!SWIGLU && NACC == 128), "fp32: half of a [64, 256] fragment");
+  constexpr int BOX = F32 ? 32 : 64, STORES = 128 / BOX;  // columns per bulk store, stores
+  if (WAIT >= 0) {
+    if (lt == 0) ptx_bulk_wait_group_read<WAIT < 0 ? 0 : WAIT>();
+    ptx_named_barrier_sync(bar_id, 128);
+  }
+  if constexpr (F32)
+    epi_stage_f32<J0>(acc, stage_c);
+  else if (SWIGLU)
+    epi_stage_swiglu<NACC>(acc, stage_c, w);
+  else
+    epi_stage_bf16<NACC, J0, 16>(acc, stage_c);
   ptx_fence_proxy_async_smem();
   ptx_named_barrier_sync(bar_id, 128);
   if (lt == 0) {
 #pragma unroll
-    for (int ch = 0; ch < 4; ch++) {
-      if (col + 32 * ch < n) ptx_tma_store_2d(tm_c, stage_c + ch * 8192, col + 32 * ch, row0);
-    }
+    for (int ch = 0; ch < STORES; ch++)
+      if (col + BOX * ch < n) ptx_tma_store_2d(tm_c, stage_c + ch * 8192, col + BOX * ch, row0);
     ptx_bulk_commit_group();
   }
 }
@@ -293,6 +277,16 @@ __device__ __forceinline__ void epi_store_staged_bf16(const float (&acc)[128], u
                                                       int row0, int bar_id, int lt) {
   epi_store_staged<16 * H, 0, WAIT>(acc, stage_c, tm_c, make_float2(1.0f, 1.0f), col0 + 128 * H,
                                     n, row0, bar_id, lt);
+}
+
+// The same in fp32 (an fp32 map, box [64, 32]). Both halves use the same 32 KB buffer: each first
+// waits until the copy engine has read the previous one.
+template <int H>
+__device__ __forceinline__ void epi_store_staged_f32(const float (&acc)[128], uint8_t *stage_c,
+                                                     const CUtensorMap *tm_c, int col0, int n,
+                                                     int row0, int bar_id, int lt) {
+  epi_store_staged<16 * H, 0, 0, 128, 1>(acc, stage_c, tm_c, make_float2(1.0f, 1.0f),
+                                         col0 + 128 * H, n, row0, bar_id, lt);
 }
 
 #endif /* MOK_CUDA_GEMM_EPILOGUE_CUH */

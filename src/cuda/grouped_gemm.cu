@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       if (staged) {
         if (EPI == MOK_GG_EPI_STORE_F32) {  // two rounds of 32 KB through the same buffer
           epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, 1 + cw, lt);
-          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.n0 + 128, p.n, wg_row0, 1 + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, 1 + cw, lt);
         } else if (EPI == MOK_GG_EPI_SWIGLU) {
           gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
         } else {  // 256 columns: two rounds of 128
@@ -470,9 +470,11 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
                                       (uint64_t)p->n, 64)
               : tma_encode_bf16_sw128(&m.b, p->b, rows_b, (uint64_t)p->k, 128)) ||
       tma_encode_bf16_sw128(&m.b2, swiglu ? p->b2 : p->b, rows_b, (uint64_t)p->k, 128) ||
-      (bf16_out ? tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)
-                : tma_encode_f32_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)))
+      (bf16_out && tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)) ||
+      (p->epilogue == MOK_GG_EPI_STORE_F32 &&
+       tma_encode_f32_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)))
     return MOK_ERROR_CUDA;
+  if (p->epilogue == MOK_GG_EPI_ACCUM_F32) m.c = m.a;  // unused: accumulation stores directly
 
   // The configuration table: (staged, cluster) for bf16 outputs, staged or direct for fp32
   // stores, direct for fp32 accumulation.

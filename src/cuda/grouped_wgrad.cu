@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                                        1 + cw, lt);
         } else {
           epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
-          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0 + 128, p.k, row, 1 + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
         }
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c + c_off, e);

@@ -105,10 +105,10 @@ static inline int group_of_row(const problem_t &pr, int r) {
 // with 2-CTA clusters sharing B (MOK_GG_CLUSTER=2), staged without clusters (the default), direct
 // stores (MOK_GG_TMA_STORE=0), staged with 4 stages and 32 KB of staging (MOK_GG_STAGES=4). fp32
 // stores are staged (3 stages) or direct only, so clusters and 4 stages run the staged kernel for
-// them; fp32 accumulation is always direct. The
-// first, third and fourth take their tiles in bands of 3, 2 and 2 row units (MOK_TILE_GROUP;
-// in bands, a warpgroup whose rows are all past its group's end computes them anyway), the
-// second row unit by row unit (the default for weights this small).
+// them; fp32 accumulation is always direct. The first, third and fourth take their tiles in bands
+// of 3, 2 and 2 row units (MOK_TILE_GROUP; in bands, a warpgroup whose rows are all past its
+// group's end computes them anyway), the second row unit by row unit (the default for weights
+// this small).
 enum { GEMM_MODES = 4 };
 static inline void set_gemm_mode(int mode) {
   setenv("MOK_GG_TMA_STORE", mode == 2 ? "0" : "1", 1);
