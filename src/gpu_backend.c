@@ -4,8 +4,8 @@
  * can be captured in a CUDA graph. The forward is three kernels (launch.h):
  *
  *   layout (count and    topk_idx [T, K] -> status, offsets [E + 1], slot_row [T, K], ctx header,
- *   finish, a CTA per    row_tok / row_w [R], row-tile prefix sums, the fused kernel's counters
- *   chunk of tokens)
+ *   finish, a CTA per    row_tok / row_w [R], row-tile prefix sums, the reduce order (tokens by
+ *   chunk of tokens)     their last expert), the fused kernel's counters
  *   fused (persistent)   src/cuda/forward_fused.cu: gathers x rows into its gate/up tiles,
  *                        a = bf16(row_w · silu(g) · u) (SAVE: g, u -> ctx), yk = bf16(a · Wdᵀ),
  *                        the shared expert, and y = bf16(ys + yk(slot 0) + ... + yk(slot K-1))
@@ -17,11 +17,14 @@
  * plan's lag, MOK_FUSED_STAGED=0 stores DOWN tiles from registers, MOK_FUSED_GU_STAGED=0 stores
  * a, g and u from registers, MOK_FUSED_A_STAGED=0 only a, MOK_FUSED_ORDER=1 makes the consumer
  * warpgroups issue in turns, MOK_FUSED_DEFER=0 releases a GATE_UP tile at the end of its
- * epilogue, and MOK_FUSED_TRACE=<device address> writes a task trace (forward_fused.cu); none of
- * these changes a bit of the results. Buffers are the regions of src/workspace.h. Errors the
- * kernels find (bad routing, capacity overflow) make the call compute nothing and wait in the
- * workspace's error word for mok_layer_check. Other GPU layers (W > 1, fp8) allocate nothing and
- * report MOK_ERROR_NOT_IMPLEMENTED.
+ * epilogue, MOK_FUSED_HELP_AT=<percent> sets from which expert stage two producer warps reduce
+ * (100: only past the last GATE_UP task), MOK_FUSED_REDUCE_ORDER=0 reduces tokens in token order
+ * after every DOWN tile, MOK_FUSED_TIMEOUT_S=<s> bounds its waits, and MOK_FUSED_TRACE=<device
+ * address> writes a task trace (forward_fused.cu); none of these changes a bit of the results.
+ * Buffers are the regions of src/workspace.h. Errors the kernels find (bad routing, capacity
+ * overflow) make the call compute nothing and wait in the workspace's error word for
+ * mok_layer_check. Other GPU layers (W > 1, fp8) allocate nothing and report
+ * MOK_ERROR_NOT_IMPLEMENTED.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -184,6 +187,8 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   p.context_mode = l->d.context_mode;
   p.row_tok = (int32_t *)(ws + lay->ws[MOK_WS_ROW_TOK]);
   p.tile_pre = (int32_t *)(ws + lay->ws[MOK_WS_TILE_PRE]);
+  p.red_pre = (int32_t *)(ws + lay->ws[MOK_WS_RED_PRE]);
+  p.red_order = (int32_t *)(ws + lay->ws[MOK_WS_RED_ORDER]);
   p.counters = (uint32_t *)(ws + lay->ws[MOK_WS_COUNTERS]);
   p.n_counters = mok_fc_count(R, E, l->d.max_tokens);
   p.layout_scratch = ws + lay->ws[MOK_WS_LAYOUT];

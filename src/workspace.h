@@ -13,6 +13,11 @@
  *   row_w          [R] fp32            router weight of each row
  *   row_tok        [R] int32           token of each row (the fused forward gathers x through it)
  *   tile_pre       [E + 1] int32       prefix sums of row tiles per expert, ceil(rows_e / 128)
+ *   red_pre        [E + 2] int32       the fused forward's reduce order (red_order) by bins: the
+ *                                      tokens whose last expert is b - 1 (b = 0: none) are
+ *                                      red_order[red_pre[b] .. red_pre[b + 1])
+ *   red_order      [T_max] int32       tokens sorted by their last (highest) expert, so that a
+ *                                      token's reduce comes after its experts' DOWN tiles
  *   counters       [mok_fc_count] u32  the fused forward's task counters (MOK_FC_*), zeroed by
  *                                      the layout kernel of every call
  *   layout         mok_ll_bytes        the layout kernels' per-CTA partials (mok_ll_*)
@@ -91,7 +96,7 @@ typedef struct {
 
 typedef enum {
   MOK_WS_ERROR = 0, MOK_WS_STATUS, MOK_WS_OFFSETS, MOK_WS_SHARED_OFFSETS, MOK_WS_SLOT_ROW,
-  MOK_WS_ROW_W, MOK_WS_ROW_TOK, MOK_WS_TILE_PRE, MOK_WS_COUNTERS, MOK_WS_LAYOUT, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
+  MOK_WS_ROW_W, MOK_WS_ROW_TOK, MOK_WS_TILE_PRE, MOK_WS_RED_PRE, MOK_WS_RED_ORDER, MOK_WS_COUNTERS, MOK_WS_LAYOUT, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
   /* backward */
   MOK_WS_DYG, MOK_WS_DS, MOK_WS_DG, MOK_WS_DU, MOK_WS_DXK, MOK_WS_DW_ROW, MOK_WS_DSS, MOK_WS_DGS,
   MOK_WS_DUS, MOK_WS_DXS, MOK_WS_G, MOK_WS_U, MOK_WS_GS, MOK_WS_US, MOK_WS_WGRAD32,
@@ -122,13 +127,15 @@ MOK_WS_FN size_t mok_ws_align(size_t x) { return (x + 255) & ~(size_t)255; }
 
 /* The fused forward's counters (uint32, src/cuda/forward_fused.cu), each counting warpgroup
  * releases (2 per finished tile):
- *   MOK_FC_DOWN      routed DOWN tiles
+ *   MOK_FC_DOWN      routed DOWN tiles (when the reduce does not follow the reduce order)
  *   MOK_FC_ABORT     nonzero once a wait timed out: every later wait gives up at once
  *   MOK_FC_TICKET    the next task number to hand out (one atomicAdd per task)
- *   MOK_FC_CLAIM     the next token to reduce (one atomicAdd per token, by any warp)
+ *   MOK_FC_CLAIM     the next token to reduce, a position in red_order or a token (one atomicAdd
+ *                    per token, by any warp)
  *   MOK_FC_GU + j    GATE_UP tiles of routed row tile j (tile_pre numbering), j < R/128 + E
  *   mok_fc_sgu + m   SHARED_GATE_UP tiles of token tile m, m < ceil(T_max / 128)
- *   mok_fc_sd + m    SHARED_DOWN tiles of token tile m */
+ *   mok_fc_sd + m    SHARED_DOWN tiles of token tile m
+ *   mok_fc_dn + e    DOWN tiles of expert e, e < E (when it does) */
 enum { MOK_FC_DOWN = 0, MOK_FC_ABORT = 2, MOK_FC_TICKET = 3, MOK_FC_CLAIM = 4, MOK_FC_GU = 32,
        MOK_FC_TILE_M = 128 };
 MOK_WS_FN int64_t mok_fc_sgu(int64_t R, int64_t E) { return MOK_FC_GU + R / MOK_FC_TILE_M + E; }
@@ -138,14 +145,18 @@ MOK_WS_FN int64_t mok_fc_token_tiles(int64_t T_max) {
 MOK_WS_FN int64_t mok_fc_sd(int64_t R, int64_t E, int64_t T_max) {
   return mok_fc_sgu(R, E) + mok_fc_token_tiles(T_max);
 }
-MOK_WS_FN int64_t mok_fc_count(int64_t R, int64_t E, int64_t T_max) {
+MOK_WS_FN int64_t mok_fc_dn(int64_t R, int64_t E, int64_t T_max) {
   return mok_fc_sd(R, E, T_max) + mok_fc_token_tiles(T_max);
+}
+MOK_WS_FN int64_t mok_fc_count(int64_t R, int64_t E, int64_t T_max) {
+  return mok_fc_dn(R, E, T_max) + E;
 }
 
 /* The layout kernels (src/cuda/layout_local.cu) split a call's T tokens into mok_ll_ctas(T)
  * chunks of mok_ll_chunk(T) tokens, whole rounds of MOK_LL_ROUND (one token per thread), at most
  * MOK_LL_MAX_CTAS chunks. Chunk c leaves its partials in the workspace's layout region:
  *   counts [ctas, E] int32   its rows per expert
+ *   last   [ctas, E + 1]     its tokens per bin of the reduce order (red_pre: last expert + 1)
  *   bad    [ctas] u64        its first bad (token, slot) index, ~0 when none
  *   hash   [ctas] u64        its part of the routing hash */
 enum { MOK_LL_ROUND = 512, MOK_LL_MAX_CTAS = 128 };
@@ -158,14 +169,16 @@ MOK_WS_FN int64_t mok_ll_ctas(int64_t T) {
   return T > 0 ? (T + chunk - 1) / chunk : 1;
 }
 /* The int32 index of `bad` in the layout region of a call split into `ctas` chunks: after the
- * counts, rounded up to 16 bytes (`hash` follows `bad`). */
-MOK_WS_FN int64_t mok_ll_bad_index(int64_t ctas, int64_t E) { return (ctas * E + 3) & ~(int64_t)3; }
+ * counts and the bins, rounded up to 16 bytes (`hash` follows `bad`). */
+MOK_WS_FN int64_t mok_ll_bad_index(int64_t ctas, int64_t E) {
+  return (ctas * (2 * E + 1) + 3) & ~(int64_t)3;
+}
 /* Room for every T <= T_max (the chunk count is not monotonic in T: up to MOK_LL_MAX_CTAS chunks
  * of one round, then fewer, longer ones), the bad and hash arrays 16-byte aligned. */
 MOK_WS_FN size_t mok_ll_bytes(int64_t T_max, int64_t E) {
   const int64_t rounds = (T_max + MOK_LL_ROUND - 1) / MOK_LL_ROUND;
   const int64_t ctas = rounds < 1 ? 1 : (rounds < MOK_LL_MAX_CTAS ? rounds : MOK_LL_MAX_CTAS);
-  return (size_t)ctas * ((size_t)E * 4 + 16) + 16;
+  return (size_t)ctas * ((size_t)(2 * E + 1) * 4 + 16) + 16;
 }
 
 /* One term of the context header's routing hash, Σ_i mok_ws_routing_mix(i, topk_idx[i]) mod 2^64
@@ -192,6 +205,8 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_ROW_W] = off, off = mok_ws_align(off + R * 4);
   l->ws[MOK_WS_ROW_TOK] = off, off = mok_ws_align(off + R * 4);
   l->ws[MOK_WS_TILE_PRE] = off, off = mok_ws_align(off + (E + 1) * 4);
+  l->ws[MOK_WS_RED_PRE] = off, off = mok_ws_align(off + (E + 2) * 4);
+  l->ws[MOK_WS_RED_ORDER] = off, off = mok_ws_align(off + T * 4);
   l->ws[MOK_WS_COUNTERS] = off,
   off = mok_ws_align(off + (size_t)mok_fc_count((int64_t)R, (int64_t)E, (int64_t)T) * 4);
   l->ws[MOK_WS_LAYOUT] = off, off = mok_ws_align(off + mok_ll_bytes((int64_t)T, (int64_t)E));

@@ -8,7 +8,8 @@
  *    Every run must finish, and when a task starts, every task it reads from must be finished
  *    (checked against the layout directly, not through the counters: that checks the targets).
  *    Also with the fused kernel's deferred releases (a GATE_UP task's release held until the
- *    CTA's next task starts, when that one could start at once).
+ *    CTA's next task starts, when that one could start at once; a DOWN task's until the CTA's
+ *    next task ends, unless that is a REDUCE).
  * 3. The checker can fail: an order that puts consumers before producers deadlocks in it, and so
  *    does holding every GATE_UP release until the next task starts.
  */
@@ -166,8 +167,11 @@ enum { POLICY_RANDOM, POLICY_LATEST, POLICY_EARLIEST };
  * defer: a CTA that finishes a (SHARED_)GATE_UP task holds its release until its next task starts
  * when that task's inputs are already complete (then it could start at once), and releases at
  * once otherwise or when it has no next task: the fused kernel's deferred release
- * (forward_fused.cu, fk_deferred_release), modelled where it defers the most. defer = 2 holds it
- * whenever there is a next task (unsafe: the checker must catch it). *held counts held releases. */
+ * (forward_fused.cu, fk_deferred_release), modelled where it defers the most. A DOWN task's
+ * release is held until the CTA's next task ends, unless that is a REDUCE (then at once): the
+ * kernel's release of a DOWN tile under its next tile's last stage (fk_flush_down), modelled
+ * later than it happens. defer = 2 holds GATE_UP releases whenever there is a next task (unsafe:
+ * the checker must catch it). *held counts held releases. */
 static int simulate_ex(const problem_t *pb, const int64_t *order, int G, int ticket, int policy,
                        uint64_t seed, int defer, int64_t *bad, int64_t *held) {
   sim_t s = {pb, mok_plan_num_tasks(&pb->plan), order, NULL, NULL, NULL, NULL, NULL, NULL};
@@ -180,7 +184,8 @@ static int simulate_ex(const problem_t *pb, const int64_t *order, int G, int tic
   for (int64_t i = 0; i < s.n; i++) s.index_of[key(&pb->plan, mok_plan_task(&pb->plan, i))] = i;
   int64_t *cur = malloc(sizeof(int64_t) * (size_t)G), *left = calloc((size_t)G, sizeof(int64_t));
   int64_t *pending = malloc(sizeof(int64_t) * (size_t)G); /* a held release: task number, or -1 */
-  for (int c = 0; c < G; c++) pending[c] = -1;
+  int64_t *pending_down = malloc(sizeof(int64_t) * (size_t)G); /* a held DOWN release */
+  for (int c = 0; c < G; c++) pending[c] = pending_down[c] = -1;
   int64_t next_ticket = 0, finished = 0;
   uint64_t rng = seed;
   *bad = 0;
@@ -209,11 +214,21 @@ static int simulate_ex(const problem_t *pb, const int64_t *order, int G, int tic
       }
     }
     if (--left[c] > 0) continue;
+    if (pending_down[c] >= 0) { /* the previous DOWN task's release, held through this task */
+      complete(&s, pending_down[c]);
+      finished++;
+      pending_down[c] = -1;
+    }
     cur[c] = ticket ? (next_ticket < s.n ? next_ticket++ : -1) : (cur[c] + G < s.n ? cur[c] + G : -1);
     const mok_task_t done_t = mok_plan_task(&pb->plan, task);
-    if (defer && (done_t.kind == MOK_TASK_GATE_UP || done_t.kind == MOK_TASK_SHARED_GATE_UP) &&
-        cur[c] >= 0 && mok_plan_task(&pb->plan, order[cur[c]]).kind != MOK_TASK_REDUCE &&
-        (defer == 2 || deps_ready(&s, mok_plan_task(&pb->plan, order[cur[c]])))) {
+    if (defer && done_t.kind == MOK_TASK_DOWN && cur[c] >= 0 &&
+        mok_plan_task(&pb->plan, order[cur[c]]).kind != MOK_TASK_REDUCE) {
+      pending_down[c] = task;
+      if (held) ++*held;
+    } else if (defer &&
+               (done_t.kind == MOK_TASK_GATE_UP || done_t.kind == MOK_TASK_SHARED_GATE_UP) &&
+               cur[c] >= 0 && mok_plan_task(&pb->plan, order[cur[c]]).kind != MOK_TASK_REDUCE &&
+               (defer == 2 || deps_ready(&s, mok_plan_task(&pb->plan, order[cur[c]])))) {
       pending[c] = task;
       if (held) ++*held;
     } else {
@@ -222,7 +237,7 @@ static int simulate_ex(const problem_t *pb, const int64_t *order, int G, int tic
     }
   }
   free(s.gu_done), free(s.sgu_done), free(s.sd_done), free(s.down_done), free(s.done);
-  free(s.index_of), free(cur), free(left), free(pending);
+  free(s.index_of), free(cur), free(left), free(pending), free(pending_down);
   return finished == s.n;
 }
 
@@ -339,7 +354,8 @@ MOK_TEST(task_plan_never_deadlocks_under_adversarial_schedules) {
 }
 
 /* The same with the fused kernel's deferred releases: a GATE_UP task's release held until the
- * CTA's next task starts, whenever that task could start at once. */
+ * CTA's next task starts, whenever that task could start at once; a DOWN task's until the next
+ * task ends. */
 MOK_TEST(task_plan_deferred_releases_never_deadlock) {
   const int Gs[] = {1, 2, 3, 7, 64};
   int runs = 0, failures = 0, unsafe_deadlocks = 0;

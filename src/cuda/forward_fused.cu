@@ -10,20 +10,31 @@
  *
  *   producer warpgroup  fills the ring of tile_pipeline.cuh. B always comes by TMA (thread 0).
  *                       A comes by TMA too, except for GATE_UP, whose rows are tokens of x in
- *                       expert order: there the 128 threads copy the tile's rows
- *                       (x[row_tok[row]]) with cp.async into the 128-byte swizzled layout TMA
- *                       would have written, so the gather costs no pass over memory of its own.
+ *                       expert order: there its warps copy the tile's rows (x[row_tok[row]]) with
+ *                       cp.async into the 128-byte swizzled layout TMA would have written, so the
+ *                       gather costs no pass over memory of its own. From the CTA's first ticket
+ *                       at or past expert stage help_stage, warps 2-3 leave to reduce (the
+ *                       "reduce helpers") and warps 0-1 gather; past the last GATE_UP task, warp 1
+ *                       leaves too and warp 0 alone loads the ring.
  *   consumer warpgroups wgmma into registers (rows 0-63 and 64-127 of the tile; a warpgroup
  *                       whose 64 rows are all past the expert's end issues none), then the
  *                       epilogue of the task (SwiGLU + router weight; bf16 outputs through a
  *                       shared-memory staging buffer and TMA stores, fp32 from registers), then
  *                       release the task's counter.
- * REDUCE is done token by token, each token claimed by one warp from a counter (MOK_FC_CLAIM) in
- * token order: by the producer warpgroup's warps 1-3 as soon as their CTA reaches the shared
- * expert (the "reduce helpers": from then on the shared expert's A comes by TMA, so warp 0 alone
- * loads the ring while they reduce beside the consumers' MMA), and by every warp of a CTA whose
- * tickets reach the REDUCE tasks (its first REDUCE stage in the ring carries only the tag); a last
- * tag-only stage tells the consumers that the tasks are gone.
+ * REDUCE is done token by token, each token claimed by one warp from a counter (MOK_FC_CLAIM): by
+ * the reduce helpers beside the consumers' MMA, and by every warp of a CTA whose tickets reach the
+ * REDUCE tasks (its first REDUCE stage in the ring carries only the tag); a last tag-only stage
+ * tells the consumers that the tasks are gone.
+ *   Without a shared expert (by_last), the helpers leave at 85% of the expert stages and the
+ *   claims follow the layout's reduce order (tokens by their highest expert, red_order): a token
+ *   is ready once the DOWN tiles of experts up to its last are done, so the helpers reduce tokens
+ *   while the tiles of later experts run (with top-8 of 128 experts, (e / 128)^8 of the tokens
+ *   have all their experts below e). Qwen3-235B's final reduce took 117 us instead of 310 (Qwen3-
+ *   30B: 118 against 163), at the price of gathering with 2 warps in the last 15% of GATE_UP
+ *   tiles; the forward 1.0-2.5% faster (bench/NOTES.md v21).
+ *   With one, the helpers leave at the last GATE_UP task and tokens go in token order, each ready
+ *   once every DOWN tile and its token tile's SHARED_DOWN tiles are done (the shared expert comes
+ *   after every routed tile, in bands of token tiles).
  *
  * Every tile is computed exactly as the unfused chain computes it (grouped_gemm.cu: same tile
  * shape, same K order, same epilogue code), and the reduce is rows_local.cuh's, so the results
@@ -33,9 +44,12 @@
  * releases, 2 per tile:
  *   DOWN(e, m, *)      waits for  GU[tile_pre[e] + m]  = 2 n_gu   (its rows of a are complete)
  *   SHARED_DOWN(m, *)  waits for  SGU[m]               = 2 n_sgu
- *   token t's reduce   waits for  DOWN = 2 n_down tile_pre[E]  and  SD[t / 128] = 2 n_sd
- * (each consumer warpgroup adds its DOWN tiles to DOWN when it leaves the expert stages: at its
- * first shared-expert task, or before REDUCE).
+ *   token t's reduce   by_last: waits for DN[e] = 2 n_down (tile_pre[e + 1] - tile_pre[e]) for
+ *                      every expert e up to its last (a DOWN tile's release waits for its TMA
+ *                      stores; it runs under the warpgroup's next tile, fk_flush_down);
+ *                      else: waits for DOWN = 2 n_down tile_pre[E] (each consumer warpgroup adds
+ *                      its DOWN tiles at once when it leaves the expert stages: at its first
+ *                      shared-expert task, or before REDUCE), and SD[t / 128] = 2 n_sd
  * A release: the warpgroup's stores, a named barrier, then one thread's fence + red.release.gpu.
  * A wait (producer thread 0, or one consumer thread per warpgroup): ld.acquire.gpu in a loop; a
  * TMA read of the data then follows a proxy fence (the data was written through the generic
@@ -48,7 +62,9 @@
  * unfinished task is held by a running CTA and its dependencies are finished, so it finishes.
  * A token's reduce waits only on tile tasks (DOWN, SHARED_DOWN), and no tile waits on a reduce:
  * the reduce helpers are warps apart from the one that loads the ring, and the consumers reduce
- * only after their last tile, so every tile finishes as above, and then every reduce.
+ * only after their last tile (and their last deferred releases), so every tile finishes as above,
+ * and then every reduce. No tile waits on DN or DOWN either, so a DOWN release held through the
+ * next tile delays no tile.
  * Waits are still bounded (timeout_s): a wait that times out reports MOK_ERROR_TIMEOUT through
  * the error word, raises MOK_FC_ABORT so that every other wait gives up at once, and the kernel
  * runs to its end with wrong results instead of hanging.
@@ -94,13 +110,14 @@ struct fk_cfg {
 typedef tp_plan<FK_BM, FK_BN, FK_STAGES, 0> fk_plan;
 static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)");
 
-// A full barrier's arrivals: GATE_UP's gathered stages, each producer thread's cp.async arrival and
-// thread 0's with the stage's TMA byte count; stages loaded by TMA alone (and tag-only stages),
-// thread 0 for all (so that warp 0 alone can load them while warps 1-3 reduce).
+// A full barrier's arrivals: GATE_UP's gathered stages, each gathering thread's cp.async arrival,
+// thread 0's with the stage's TMA byte count, and thread 0's for the producer threads that have
+// left to reduce; stages loaded by TMA alone (and tag-only stages), thread 0 for all.
 #define FK_FULL_ARRIVALS (128 + 1)
-// Named barrier of warpgroup wg's own threads: 1 + wg, so 1 (the producer's tickets: 128 threads,
-// or warp 0's 32 once warps 1-3 reduce), 2 and 3 (the consumers' epilogues and releases).
-#define FK_BAR_WG 1
+// Named barriers: 1, the producer warps' tickets; 2 + cw, consumer warpgroup cw's own threads (its
+// epilogues and releases).
+#define FK_BAR_P 1
+#define FK_BAR_C 2
 #define FK_TAG_END (-1)  // tag of the stage that tells the consumers there is no task left
 
 
@@ -139,12 +156,15 @@ typedef struct {
   uint64_t timeout_ns;
   uint32_t sgu_base;    // counter index of SGU[0]
   uint32_t sd_base;     // counter index of SD[0]
+  uint32_t dn_base;     // counter index of DN[0]
   int32_t shared_band;  // the plan's token tiles per band of the shared expert
   int32_t lag;          // the plan's lag (fk_lag)
   int32_t group_m;      // the plan's row tiles per band (src/task_plan.h)
   int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
   int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
   int32_t defer;        // such tiles release their counter under the next tile (fk_epilogue)
+  int32_t by_last;      // without a shared expert, reduce in the layout's order (fk_reduce_claims)
+  int32_t help_stage;   // expert stage from which 2 producer warps reduce (E + L: none)
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -186,7 +206,7 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
       d.b_lo = d.b_hi = &m.wd;
       d.b_row_lo = e * (int)l.H + d.n0, d.b_row_hi = d.b_row_lo + 128;
       d.wait = tile, d.wait_target = 2u * (uint32_t)plan.n_gu;
-      d.done = MOK_FC_DOWN;
+      d.done = (int)p.dn_base + e;
     }
   } else {  // the shared expert: one group of all T tokens
     d.row0 = (int64_t)FK_BM * t.m;
@@ -276,14 +296,65 @@ __device__ __forceinline__ mok_task_t fk_task(const tp_ring_t *ring, const volat
   return t;
 }
 
-// The producer warpgroup's share of one tile: k_blocks stages, the first tagged with the task
-// number and the task (fk_tag, read by the consumers). lt: thread within the warpgroup; tn: the
-// task's trace record.
+// GATE_UP's stages, loaded by G producer warps (4, or 2 once warps 2-3 reduce): B by TMA (thread
+// 0), A gathered. Per stage each tile row is 128 bytes (8 units of 16) of a token's row of x; unit
+// c of tile row r goes to unit c ^ (r % 8) (the 128-byte swizzle; rows are 128 bytes and the stage
+// is 1024-byte aligned). Thread lt = 32 w + l copies unit l % 8 of rows 4 J w + 4 j + l / 8,
+// j < J = 32 / G, so that each warp instruction reads 4 whole 128-byte lines. Rows past the
+// expert's end are zeros: nothing of them is stored. G is a template argument so that the J row
+// addresses stay in registers (with one warp, 32 per thread and G at run time, they were rebuilt
+// from constants per copy and GATE_UP's mainloop ran at half speed; bench/NOTES.md v21).
+template <int G>
+__device__ __forceinline__ void fk_gather(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
+                                          uint8_t *smem, uint64_t *full, uint64_t *empty,
+                                          volatile int64_t *s_tag, volatile int4 *s_task,
+                                          int64_t tag, const mok_task_t &task, int lt,
+                                          uint32_t tn) {
+  static_assert(G == 2 || G == 4, "rows per thread: 32 / G");
+  constexpr int J = 32 / G;
+  const int w = lt >> 5, c = lt & 7, r0 = 4 * J * w + ((lt & 31) >> 3);
+  const char *src[J];
+  uint32_t bytes[J];
+#pragma unroll
+  for (int j = 0; j < J; j++) {
+    const int64_t row = d.row0 + r0 + 4 * j;
+    const bool valid = row < d.row_end;
+    src[j] = (const char *)p.f.l.x + (valid ? (int64_t)p.f.l.row_tok[row] * p.f.l.H * 2 : 0) + 16 * c;
+    bytes[j] = valid ? 16u : 0u;
+  }
+  for (int kb = 0; kb < d.k_blocks; kb++) {
+    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+    uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
+    uint64_t *bar = &full[ring->stage];
+    if (lt == 0) {
+      if (kb == 0) fk_tag(s_tag, s_task, ring->stage, tag, task);
+      uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
+      ptx_mbar_arrive_expect_tx(bar, fk_plan::B_BYTES);
+      ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
+      ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
+      if (kb == 0) fk_trace(p, tn, 5, ptx_globaltimer_ns());
+      if (G < 4) ptx_mbar_arrive_count(bar, 32 * (4 - G));  // for the warps that reduce
+    }
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+      const int r = r0 + 4 * j;
+      ptx_cp_async_16(a_tile + r * MOK_TP_ROW_BYTES + ((c ^ (r & 7)) << 4),
+                      src[j] + kb * MOK_TP_ROW_BYTES, bytes[j]);
+    }
+    ptx_cp_async_mbar_arrive_noinc(bar);
+    tp_ring_advance<FK_STAGES>(ring);
+  }
+}
+
+// The producer warps' share of one tile: k_blocks stages, the first tagged with the task number
+// and the task (fk_tag, read by the consumers). lt: thread within the warpgroup (below 32 once
+// warp 0 is alone: then the tile is not a GATE_UP, which fk_gather loads); tn: the task's trace
+// record.
 __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
                                            uint8_t *smem, uint64_t *full, uint64_t *empty,
                                            volatile int64_t *s_tag, volatile int4 *s_task,
                                            int64_t tag, const mok_task_t &task, int lt,
-                                           uint32_t tn) {
+                                           uint32_t tn, int gwarps) {
   if (lt == 0) fk_trace(p, tn, 4, ptx_globaltimer_ns());
   // NOTE: thread 0 writes the tag after the stage is free (a consumer may not have read the tag
   // of its previous use before) and before its first arrival on the stage's full barrier (a
@@ -307,49 +378,16 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
     }
     return;
   }
-  // GATE_UP: per stage each tile row is 128 bytes (8 units of 16) of a token's row of x; unit c
-  // of tile row r goes to unit c ^ (r % 8) (the 128-byte swizzle; rows are 128 bytes and the
-  // stage is 1024-byte aligned). Lane l of warp w copies unit l % 8 of rows 32 w + 4 j + l / 8,
-  // j = 0..7, so that each warp instruction reads 4 whole 128-byte lines. Rows past the expert's
-  // end are zeros: nothing of them is stored.
-  const int w = lt >> 5, c = lt & 7, r0 = 32 * w + ((lt & 31) >> 3);
-  const char *src[8];
-  uint32_t bytes[8];
-#pragma unroll
-  for (int j = 0; j < 8; j++) {
-    const int64_t row = d.row0 + r0 + 4 * j;
-    const bool valid = row < d.row_end;
-    src[j] = (const char *)p.f.l.x + (valid ? (int64_t)p.f.l.row_tok[row] * p.f.l.H * 2 : 0) + 16 * c;
-    bytes[j] = valid ? 16u : 0u;
-  }
-  for (int kb = 0; kb < d.k_blocks; kb++) {
-    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-    uint8_t *a_tile = smem + ring->stage * fk_plan::STAGE_BYTES;
-    uint64_t *bar = &full[ring->stage];
-    if (lt == 0) {
-      if (kb == 0) fk_tag(s_tag, s_task, ring->stage, tag, task);
-      uint8_t *b_tile = a_tile + fk_plan::A_BYTES;
-      ptx_mbar_arrive_expect_tx(bar, fk_plan::B_BYTES);
-      ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
-      ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
-      if (kb == 0) fk_trace(p, tn, 5, ptx_globaltimer_ns());
-    }
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const int r = r0 + 4 * j;
-      ptx_cp_async_16(a_tile + r * MOK_TP_ROW_BYTES + ((c ^ (r & 7)) << 4),
-                      src[j] + kb * MOK_TP_ROW_BYTES, bytes[j]);
-    }
-    ptx_cp_async_mbar_arrive_noinc(bar);
-    tp_ring_advance<FK_STAGES>(ring);
-  }
+  if (gwarps == 2) fk_gather<2>(p, d, ring, smem, full, empty, s_tag, s_task, tag, task, lt, tn);
+  else fk_gather<4>(p, d, ring, smem, full, empty, s_tag, s_task, tag, task, lt, tn);
 }
 
 // A stage without data that only carries a tag to the consumers: a REDUCE task's number, or
-// FK_TAG_END. Thread 0 arrives for the warpgroup (FK_FULL_ARRIVALS), as on a TMA stage.
-__device__ __forceinline__ void fk_post(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
-                                        volatile int64_t *s_tag, volatile int4 *s_task,
-                                        int64_t tag, const mok_task_t &task, int lt) {
+// FK_TAG_END. Thread 0 arrives for all (FK_FULL_ARRIVALS), as on a TMA stage.
+__device__ __forceinline__ void fk_post(const fk_params_t &p, tp_ring_t *ring, uint64_t *full,
+                                        uint64_t *empty, volatile int64_t *s_tag,
+                                        volatile int4 *s_task, int64_t tag, const mok_task_t &task,
+                                        int lt) {
   if (lt == 0) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     fk_tag(s_tag, s_task, ring->stage, tag, task);
@@ -393,7 +431,7 @@ template <int PENDING>
 __device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t count, int cw,
                                            int lt) {
   __syncwarp();
-  ptx_named_barrier_sync(FK_BAR_WG + 1 + cw, 128);
+  ptx_named_barrier_sync(FK_BAR_C + cw, 128);
   if (lt == 0) fk_release_by<PENDING>(p.f.l.counters + c, count);
   __syncwarp();
 }
@@ -422,18 +460,40 @@ struct fk_deferred_release {
   }
 };
 
+// A DOWN tile stored whole through TMA is released one tile later, once the warpgroup has issued
+// the last stage of its next tile (or before it reduces), when its bulk stores have long
+// completed and the wait and fences run under that stage's MMA: only the reduce waits for DN, so
+// the release can wait. Waiting for the stores right after them, or under the next tile's first
+// wgmmas as GATE_UP's release does, left the consumers idle ~1 us per DOWN tile, and at the start
+// of the next epilogue the fences made it ~0.7 us longer (bench/NOTES.md v21). s_dpend[cw]: the
+// counter + 1, 0 when none is pending.
+__shared__ uint32_t s_dpend[2];
+__device__ __forceinline__ void fk_flush_down(const fk_params_t &p, int cw, int lt) {
+  if (lt == 0 && s_dpend[cw]) {
+    fk_release_by<0>(p.f.l.counters + (s_dpend[cw] - 1u), 1u);
+    s_dpend[cw] = 0;
+  }
+}
+// As tp_consume_tile_bf16_n256's after_last hook.
+struct fk_down_flush {
+  const fk_params_t &p;
+  int cw, lt;
+  __device__ __forceinline__ void operator()() const {
+    fk_flush_down(p, cw, lt);
+    __syncwarp();  // warp 0 converged again before its next wgmma (.aligned)
+  }
+};
+
 // The epilogue of one tile for consumer warpgroup cw, then its release of the tile's counter,
 // or, for a GATE_UP tile stored whole through TMA with g and u, the counter to release later
-// (fk_deferred_release; NULL: released). DOWN tiles release nothing here: only REDUCE reads yk,
-// so a warpgroup adds all its DOWN tiles to the DOWN counter at once when its tiles are done
-// (fk_release); their staged TMA stores can drain meanwhile.
+// (fk_deferred_release; NULL: released).
 template <int STAGED>
 __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_maps_t &m,
                                                  const fk_tile_t &d, const float (&acc)[128],
                                                  float2 w, uint8_t *stage_c, int cw, int lt) {
   const mok_fwd_fused_params_t &f = p.f;
   const epi_coords_t e = epi_coords(d.row0, d.row_end, d.n0, d.n, d.n, cw);
-  const int bar = FK_BAR_WG + 1 + cw;
+  const int bar = FK_BAR_C + cw;
   if (d.kind == MOK_TASK_DOWN) {
     const int64_t row0 = d.row0 + 64 * cw;
     if (STAGED && row0 + 64 <= d.row_end) {  // all 64 rows in the expert: 2 rounds of 128 columns
@@ -441,10 +501,12 @@ __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_
       fk_trace_now(p, 6);
       epi_store_staged_bf16<1, 0>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, bar, lt);
       fk_trace_now(p, 7);
+      if (p.by_last && lt == 0) s_dpend[cw] = (uint32_t)d.done + 1u;  // fk_flush_down
     } else {
       epi_store_bf16<128>(acc, (__nv_bfloat16 *)f.l.yk, e);
+      if (p.by_last) fk_release<-1>(p, d.done, 1u, cw, lt);
     }
-    return NULL;
+    return NULL;  // without by_last, the consumer loop counts the tile (MOK_FC_DOWN)
   }
   if (d.kind == MOK_TASK_GATE_UP || d.kind == MOK_TASK_SHARED_GATE_UP) {
     const bool sh = d.kind == MOK_TASK_SHARED_GATE_UP;
@@ -488,10 +550,14 @@ __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_
 }
 
 // The reduce, token by token (rows_local.cuh's sum, one warp per token): lane 0 claims the next
-// token from MOK_FC_CLAIM and waits until its inputs are complete (every routed DOWN tile, and the
-// shared expert's down tiles of its token tile), then the warp sums it. Until the tokens are gone.
-// Claims go in token order, so a warp's waits pass the counters in order: it remembers what it saw
-// complete. Any warp of the CTA may call it, alone.
+// token from MOK_FC_CLAIM and waits until its inputs are complete, then the warp sums it. Until
+// the tokens are gone. With by_last, claim c is token red_order[c], whose highest expert is b - 1
+// for the bin b with red_pre[b] <= c < red_pre[b + 1]; it waits for the DOWN tiles of experts
+// 0 .. b - 1 (DN; all of them, not only its own: experts finish about in order, and one watermark
+// per warp then costs one wait per expert instead of K per token). Else claim c is token c, which
+// waits for every DOWN tile (MOK_FC_DOWN) and for its token tile's SHARED_DOWN tiles. Claims go in
+// that order, so a warp's waits pass the counters in order: it remembers what it saw complete.
+// Any warp of the CTA may call it, alone.
 // Each lane keeps two chunks' loads in flight (rl_reduce_token<2>): against one, the 3 helper warps
 // per SM beside the shared expert left a 85 us tail instead of 320 at DeepSeek-V3, and the final
 // reduce on all 12 warps took 308 us instead of 330 at Qwen3-235B (bench/NOTES.md v19).
@@ -501,28 +567,60 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
   const int lane = threadIdx.x & 31;
   // REDUCE(0)'s task number (a timed-out wait reports the REDUCE task of its token)
   const int64_t H8 = l.H / 8, reduce0 = mok_plan_num_tasks(&plan) - plan.t_tiles;
-  bool down_done = false;
-  int64_t tile_done = -1;  // token tiles up to this one: their shared-expert tiles are done
+  const bool by_last = p.by_last;  // (the host sets it only without a shared expert)
+  int32_t bin = 0;         // (lane 0) the bin of the last claim (by_last)
+  int32_t ready = 0;       // experts 0 .. ready - 1 have all their DOWN tiles done
+  int64_t tile_done = -1;  // (lane 0) token tiles up to this one: their shared tiles are done
   for (;;) {
-    int64_t t = 0;
+    int64_t t = l.T;
+    int32_t need = plan.E;  // experts whose DOWN tiles the token needs: 0 .. need - 1
     if (lane == 0) {
-      t = (int64_t)atomicAdd(l.counters + MOK_FC_CLAIM, 1u);
-      const int64_t tile = t / FK_BM;
-      if (t < l.T) {
-        if (!down_done) {
-          fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]),
-                  reduce0 + tile, 1000);
-          down_done = true;
-        }
-        if (plan.n_sd > 0 && tile > tile_done) {
-          fk_wait(p, (int)p.sd_base + (int)tile, 2u * (uint32_t)plan.n_sd, reduce0 + tile, 1000);
-          tile_done = tile;
-        }
+      const int64_t c = (int64_t)atomicAdd(l.counters + MOK_FC_CLAIM, 1u);
+      if (c < l.T && by_last) {
+        while (l.red_pre[bin + 1] <= c) bin++;
+        t = l.red_order[c];
+        need = bin;
+      } else if (c < l.T) {
+        t = c;
       }
     }
-    __syncwarp();  // lane 0's acquire orders the other lanes' reads too
     t = __shfl_sync(0xffffffffu, t, 0);
     if (t >= l.T) return;
+    need = __shfl_sync(0xffffffffu, need, 0);
+    const int64_t tile = t / FK_BM;
+    if (!by_last && ready < plan.E) {  // every DOWN tile, counted in MOK_FC_DOWN
+      if (lane == 0)
+        fk_wait(p, MOK_FC_DOWN, 2u * (uint32_t)(plan.n_down * plan.mt_pre[plan.E]),
+                reduce0 + tile, 1000);
+      ready = plan.E;
+    }
+    // Experts ready .. need - 1, 32 at a time, a counter per lane; the first one not done is waited
+    // for (lane 0), then the scan goes on after it. (Expert by expert, the 128 waits of the first
+    // claim cost a final reduce ~30-50 us at the Qwen3 shapes.)
+    while (ready < need) {
+      const int32_t e = ready + lane;
+      bool done = true;
+      if (e < need)
+        done = ptx_ld_acquire_gpu(l.counters + p.dn_base + e) >=
+               2u * (uint32_t)(plan.n_down * (plan.mt_pre[e + 1] - plan.mt_pre[e]));
+      const uint32_t ok = __ballot_sync(0xffffffffu, done);
+      if (ok == 0xffffffffu) {
+        ready = ready + 32 < need ? ready + 32 : need;
+        continue;
+      }
+      ready += __ffs(~ok) - 1;
+      if (lane == 0)
+        fk_wait(p, (int)p.dn_base + ready,
+                2u * (uint32_t)(plan.n_down * (plan.mt_pre[ready + 1] - plan.mt_pre[ready])),
+                reduce0 + tile, 1000);
+      __syncwarp();
+      ready++;
+    }
+    if (lane == 0 && plan.n_sd > 0 && tile > tile_done) {
+      fk_wait(p, (int)p.sd_base + (int)tile, 2u * (uint32_t)plan.n_sd, reduce0 + tile, 1000);
+      tile_done = tile;
+    }
+    __syncwarp();  // each lane's acquire (and lane 0's waits) order the other lanes' reads too
     rl_reduce_token<2>(l.slot_row + t * l.K, l.K, H8, (const uint4 *)l.yk,
                        l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8,
                        lane);
@@ -582,7 +680,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   tp_ring_t ring = {0, 0};
   __shared__ int64_t s_tag[FK_STAGES];  // the task number of the tile starting in each stage
   __shared__ int4 s_task[FK_STAGES];     // and the task (fk_tag)
-  __shared__ int64_t s_ticket[2];        // the producer warpgroup's current ticket, double-buffered
+  __shared__ int64_t s_ticket[2];        // the producer warps' current ticket, double-buffered
   if (wg == 0) {
     if (lt == 0) {
       ptx_prefetch_tensormap(&m.wg);
@@ -591,26 +689,30 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       ptx_prefetch_tensormap(&m.wd);
     }
     // Tasks are dealt by a ticket counter in the plan's order: thread 0 takes the next one, the
-    // warpgroup meets to read it (every thread needs it for GATE_UP's rows and the ring), and the
-    // consumers learn it from the tag of its first stage. The tasks in flight are thus always a
-    // window of about one task per CTA, which keeps the tiles that share weights together in L2.
+    // producer warps meet to read it (every thread needs it for GATE_UP's rows and the ring), and
+    // the consumers learn it from the tag of its first stage. The tasks in flight are thus always
+    // a window of about one task per CTA, which keeps the tiles that share weights together in L2.
     // NOTE: the ticket is taken only when the producer is free for the task. Taken earlier, the
     // tiles that share a weight block drift apart in their K loops: at the start of the previous
     // task, DeepSeek-V3 was 17% slower; while the previous tile's last 4 or 8 stages were issued,
     // the first stages came 2 us earlier but the mainloops ran 2-5% slower, and the traced
     // forward took longer at all three benchmark shapes (bench/NOTES.md, v11).
     int32_t stage = 0;
-    // solo: warps 1-3 have left to reduce (the shared expert's tiles need no gather); warp 0
-    // alone takes the tickets and loads the ring (its thread 0 arrives for all on TMA stages).
-    bool solo = false;
+    // gwarps: the producer warps still here (taking tickets, loading the ring). 2 from the first
+    // task of stage help_stage (the others reduce); 1 from gather_end on, past the last GATE_UP
+    // task (no more gathers).
+    const int64_t gather_end = mok_plan_stage_start(&plan, plan.E);
+    const int64_t help_from = p.help_stage < plan.E ? mok_plan_stage_start(&plan, p.help_stage)
+                                                    : gather_end;
+    int gwarps = 4;
     bool reduce = false;  // this thread's warp reduces after the loop (fk_reduce_claims)
     for (uint32_t k = 0;; k++) {  // k: this CTA's task count = its trace record
       if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(l.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
-      ptx_named_barrier_sync(FK_BAR_WG + 0, solo ? 32 : 128);
+      ptx_named_barrier_sync(FK_BAR_P, 32 * gwarps);
       const int64_t i = s_ticket[k & 1];
       if (i >= num_tasks) {
-        fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
+        fk_post(p, &ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
         break;
       }
       // The stage of this CTA's previous task starts the search (mok_plan_stage_of).
@@ -618,15 +720,15 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       if (t.kind == MOK_TASK_REDUCE) {  // last in the order: every load of this CTA is issued
         // The consumers reduce on this tag until the tokens are gone, then find the end tag; the
         // CTA takes no more tickets (the claims do the other REDUCE tasks' work too).
-        fk_post(&ring, full, empty, s_tag, s_task, i, t, lt);
-        fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
+        fk_post(p, &ring, full, empty, s_tag, s_task, i, t, lt);
+        fk_post(p, &ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
         reduce = true;
         break;
       }
-      if (!solo && plan.n_sd > 0 &&
-          (t.kind == MOK_TASK_SHARED_GATE_UP || t.kind == MOK_TASK_SHARED_DOWN)) {
-        solo = true;  // the expert stages are over for this CTA: its last gather is issued
-        if (lt >= 32) {
+      const int keep = i >= gather_end ? 1 : i >= help_from ? 2 : 4;
+      if (keep < gwarps) {
+        gwarps = keep;
+        if (lt >= 32 * keep) {
           reduce = true;
           break;
         }
@@ -636,21 +738,22 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_wait(p, d.wait, d.wait_target, i);
         ptx_fence_proxy_async_global();  // a was stored by other SMs' generic stores
       }
-      fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, k);
+      fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, k, gwarps);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     if (reduce) fk_reduce_claims(p, plan);
   } else {
     const int cw = wg - 1;
     uint8_t *stage_c = smem + P::C_OFFSET + cw * fk_cfg<STAGED>::WG_C_BYTES;  // STAGED only
-    // DOWN tiles of this warpgroup, counted by the thread that releases them (in shared memory:
-    // the registers beside the accumulators are few), and whether they are added to MOK_FC_DOWN
-    // (the reduce waits for that)
-    __shared__ uint32_t s_down_tiles[2];
-    if (lt == 0) s_down_tiles[cw] = 0;
-    bool down_out = false;
     const bool tracer = cw == 0 && lt == 0;  // threadIdx.x == 128: fk_trace_now's thread
     if (tracer) fk_trace_n = 0;
+    if (lt == 0) s_dpend[cw] = 0;
+    // Without by_last: DOWN tiles of this warpgroup, counted by the thread that releases them (in
+    // shared memory: the registers beside the accumulators are few), and whether they are added to
+    // MOK_FC_DOWN (the reduce waits for that), when the expert stages are over for it.
+    __shared__ uint32_t s_down_tiles[2];
+    if (lt == 0) s_down_tiles[cw] = 0;
+    bool down_out = p.by_last;
     int64_t i;
     uint32_t *pending = NULL;  // the previous tile's deferred release (fk_deferred_release)
     {
@@ -690,7 +793,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                                                                                         : l.Is;
         tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0, ORDERED>(
             &ring, smem, full, empty, (int)(k / 64), cw, row0 + 64 * cw >= row_end, acc,
-            fk_deferred_release{pending, lt});
+            fk_deferred_release{pending, lt}, fk_down_flush{p, cw, lt});
         fk_trace_now(p, 2);
         pending =
             fk_epilogue<STAGED>(p, m, fk_describe(p, m, plan, s_off, t), acc, w, stage_c, cw, lt);
@@ -700,6 +803,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       }
     }
     fk_deferred_release{pending, lt}();  // before REDUCE waits (and whatever waits on it)
+    fk_flush_down(p, cw, lt);
     if (!down_out)
       fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, lt == 0 ? s_down_tiles[cw] : 0u, cw, lt);
     if (i >= 0) {  // a REDUCE tag: reduce until the tokens are gone, then the end tag
@@ -746,7 +850,8 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   const mok_fwd_local_params_t *l = &p->l;
   const int shared = l->Is > 0;
   if (!l->status || !l->offsets || !l->slot_row || !l->row_w || !l->row_tok || !l->tile_pre ||
-      !l->counters || !l->err || !l->yk || !p->wg || !p->wu || !p->wd || !p->a ||
+      !l->red_pre || !l->red_order || !l->counters || !l->err || !l->yk || !p->wg || !p->wu ||
+      !p->wd || !p->a ||
       (l->T > 0 && (!l->x || !l->y)) ||
       (shared && (!p->wsg || !p->wsu || !p->wsd || !p->as || !l->ys)))
     return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "fused forward launch: NULL buffer");
@@ -785,10 +890,14 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   fk_params_t kp;
   memset(&kp, 0, sizeof(kp));
   kp.f = *p;
-  const double timeout_s = p->timeout_s > 0 ? p->timeout_s : 10.0;
+  // The bound of each wait: the caller's, else MOK_FUSED_TIMEOUT_S (a debugging aid: a wait that
+  // times out names its counter and task in the error word), else 10 s.
+  const char *te = getenv("MOK_FUSED_TIMEOUT_S");
+  const double timeout_s = p->timeout_s > 0 ? p->timeout_s : te && atof(te) > 0 ? atof(te) : 10.0;
   kp.timeout_ns = (uint64_t)(timeout_s * 1e9);
   kp.sgu_base = (uint32_t)mok_fc_sgu(R, E);
   kp.sd_base = (uint32_t)mok_fc_sd(R, E, T);
+  kp.dn_base = (uint32_t)mok_fc_dn(R, E, T);
   // Token tiles per band of the shared expert (src/task_plan.h): 8, or MOK_FUSED_SHARED_BAND.
   const char *sbe = getenv("MOK_FUSED_SHARED_BAND");
   kp.shared_band = sbe && atoi(sbe) > 0 ? atoi(sbe) : 8;
@@ -835,6 +944,19 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   // MOK_FUSED_DEFER=0.
   const char *df = getenv("MOK_FUSED_DEFER");
   kp.defer = !(df && df[0] == '0');
+  // The reduce helpers from expert stage help_stage (src/task_plan.h's stages): at 85% of the
+  // expert stages without a shared expert (about when the first tokens have all their experts'
+  // DOWN tiles done), none with one (its tokens wait for the shared expert, which comes last);
+  // MOK_FUSED_HELP_AT=<percent of E> sets it (100: none).
+  const char *ha = getenv("MOK_FUSED_HELP_AT");
+  const int help_pct = ha && ha[0] ? atoi(ha) : (shared ? 100 : 85);
+  kp.help_stage = (int32_t)(E * (help_pct < 0 ? 0 : help_pct > 100 ? 100 : help_pct) / 100);
+  // With helpers during the expert stages, the reduce in the layout's order (tokens by their last
+  // expert, fk_reduce_claims) unless MOK_FUSED_REDUCE_ORDER=0; else in token order, whose reads of
+  // yk are closer together (the final reduce at Qwen3-235B took 343 us in the layout's order
+  // against 310 in token order; bench/NOTES.md v21).
+  const char *ro = getenv("MOK_FUSED_REDUCE_ORDER");
+  kp.by_last = !shared && kp.help_stage < E && !(ro && ro[0] == '0');
 
   int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);

@@ -353,6 +353,9 @@ typedef struct {
   const float *ys;            /* [T, H] fp32, NULL when Is = 0 */
   int32_t *row_tok;           /* [R] token of each row; written by the layout when not NULL */
   int32_t *tile_pre;          /* [E + 1] row-tile prefix sums (128-row tiles); as row_tok */
+  int32_t *red_pre;           /* [E + 2], with red_order [T]: the fused forward's reduce order
+                                 (src/workspace.h); written by the layout when not NULL */
+  int32_t *red_order;
   uint32_t *counters;         /* [n_counters] zeroed by the layout when not NULL */
   int64_t n_counters;
   void *layout_scratch;       /* mok_ll_bytes(T, E) (src/workspace.h): the layout's partials */
@@ -367,7 +370,7 @@ typedef struct {
 /* Validates routing (error word + status), counts rows per expert, offsets = exclusive prefix
  * sum, slot_row in (token, slot) order within each expert (src/cpu/layout.c with W = 1,
  * tile_m = 1), checks capacity, writes the context header; and, for the fused forward, row_w,
- * row_tok, tile_pre and zeroed counters. */
+ * row_tok, tile_pre, the reduce order (red_pre, red_order) and zeroed counters. */
 mokResult_t mok_fwd_layout_launch(const mok_fwd_local_params_t *p, void *stream);
 /* xg[slot_row[t, k]] = x[t], row_w[slot_row[t, k]] = topk_w[t, k]. */
 mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, void *stream);
@@ -377,17 +380,18 @@ mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream)
 
 /* ---- the fused forward (src/cuda/forward_fused.cu) ---------------------------------------------- */
 /*
- * After the layout kernel (which writes row_tok, row_w, tile_pre and zeroes the counters), one
- * persistent kernel runs every task of src/task_plan.h: SHARED_GATE_UP, GATE_UP (rows of x
- * gathered through row_tok straight into the tile, SwiGLU and the router weight in the
- * epilogue), DOWN, SHARED_DOWN and REDUCE, coordinated by the counters of src/workspace.h. Its
- * results are bitwise those of the kernel chain above (same tiles, same epilogues, same reduce).
+ * After the layout kernel (which writes row_tok, row_w, tile_pre, the reduce order and zeroes the
+ * counters), one persistent kernel runs every task of src/task_plan.h: SHARED_GATE_UP, GATE_UP
+ * (rows of x gathered through row_tok straight into the tile, SwiGLU and the router weight in
+ * the epilogue), DOWN, SHARED_DOWN and REDUCE, coordinated by the counters of src/workspace.h.
+ * Its results are bitwise those of the kernel chain above (same tiles, same epilogues, same
+ * reduce).
  */
 typedef struct {
-  mok_fwd_local_params_t l;   /* as for the chain; row_tok / tile_pre / counters must be set
-                                 (written by this call's layout kernel). xg NULL: GATE_UP gathers
-                                 x rows itself; else GATE_UP reads xg, filled by the gather kernel
-                                 before this launch */
+  mok_fwd_local_params_t l;   /* as for the chain; row_tok / tile_pre / red_pre / red_order /
+                                 counters must be set (written by this call's layout kernel).
+                                 xg NULL: GATE_UP gathers x rows itself; else GATE_UP reads xg,
+                                 filled by the gather kernel before this launch */
   int64_t I;                  /* intermediate size of a routed expert */
   const void *wg, *wu, *wd;   /* [E, I, H], [E, I, H], [E, H, I] bf16 */
   const void *wsg, *wsu, *wsd;/* [Is, H], [Is, H], [H, Is] bf16 (Is > 0) */

@@ -255,21 +255,24 @@ __device__ __forceinline__ void tp_turn_pass(int wg, int kb, int k_blocks) {
 // after_first: called once the first stage's wgmmas are issued (or at once, idle), for work that
 // may overlap the tile's MMA (the fused kernel's deferred release of the previous tile); it must
 // not wait on anything another CTA or warpgroup has yet to do, and leaves the warps converged.
+// after_last: the same, once the last stage's wgmmas are issued (idle: after the last stage).
 struct tp_no_hook {
   __device__ __forceinline__ void operator()() const {}
 };
 template <int BM, int STAGES, int C_BYTES, int CLUSTER, int B_NMAJOR, int ORDERED = 0,
-          class Hook = tp_no_hook>
+          class Hook = tp_no_hook, class HookLast = tp_no_hook>
 __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8_t *smem,
                                                           uint64_t *full, uint64_t *empty,
                                                           int k_blocks, int wg, bool idle,
                                                           float (&acc)[128],
-                                                          Hook after_first = Hook()) {
+                                                          Hook after_first = Hook(),
+                                                          HookLast after_last = HookLast()) {
   typedef tp_plan<BM, 256, STAGES, C_BYTES> P;
   const int lane = threadIdx.x & 31;
   if (idle && !ORDERED) {
     after_first();
     tp_pass_tile<STAGES, CLUSTER>(ring, full, empty, k_blocks);
+    after_last();
     return;
   }
 #pragma unroll
@@ -294,6 +297,7 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
     ptx_wgmma_commit_group();
     if (ORDERED) tp_turn_pass(wg, kb, k_blocks);
     if (kb == 0) after_first();
+    if (kb == k_blocks - 1) after_last();
     // The group issued one block earlier has now completed: its stage can be refilled.
     ptx_wgmma_wait_group<1>();
     if (prev_stage >= 0 && lane == 0) tp_release<CLUSTER>(&empty[prev_stage]);

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "forward_test_util.cuh"
@@ -108,6 +109,76 @@ static void check_layout(const fwd_gpu_t *g, const fwd_problem_t *p, const char 
   mok_layout_free(&L);
 }
 
+// The layout kernels' reduce order for p's routing (launched directly, as the fused forward's
+// layer does): red_order is a permutation of the call's tokens, and bin b (red_pre[b] ..
+// red_pre[b + 1]) holds exactly the tokens whose highest expert is b - 1 (b = 0: none).
+static void check_reduce_order(const fwd_problem_t *p, const char *what) {
+  const int64_t T = p->T, E = p->E, K = p->K, R = p->T_max * K;
+  const mok_ws_dims_t d = {p->T_max, p->H, p->I, p->Is, E, K, R, 0, 0};
+  mok_ws_layout_t lay;
+  mok_ws_layout(&d, &lay);
+  const size_t ws_bytes = lay.ws[MOK_WS_XG];  // the regions the layout writes come first
+  uint8_t *ws = NULL, *ctx = NULL;
+  MOK_REQUIRE(cudaMalloc(&ws, ws_bytes) == cudaSuccess);
+  MOK_REQUIRE(cudaMalloc(&ctx, lay.ctx_bytes) == cudaSuccess);
+  cudaMemset(ws, 0xFF, ws_bytes);  // -1 everywhere: what the layout leaves unwritten shows
+  int32_t *idx = to_dev(p->idx);
+  float *tw = to_dev(p->tw);
+  mok_fwd_local_params_t q;
+  memset(&q, 0, sizeof(q));
+  q.T = T, q.H = p->H, q.E = E, q.K = K, q.Is = p->Is, q.capacity_rows = R;
+  q.topk_idx = idx, q.topk_w = tw;
+  q.err = ws + lay.ws[MOK_WS_ERROR];
+  cudaMemset(q.err, 0, sizeof(mok_ws_error_t));
+  q.status = (int32_t *)(ws + lay.ws[MOK_WS_STATUS]);
+  q.offsets = (int32_t *)(ws + lay.ws[MOK_WS_OFFSETS]);
+  q.shared_offsets = (int32_t *)(ws + lay.ws[MOK_WS_SHARED_OFFSETS]);
+  q.slot_row = (int32_t *)(ws + lay.ws[MOK_WS_SLOT_ROW]);
+  q.row_w = (float *)(ws + lay.ws[MOK_WS_ROW_W]);
+  q.row_tok = (int32_t *)(ws + lay.ws[MOK_WS_ROW_TOK]);
+  q.tile_pre = (int32_t *)(ws + lay.ws[MOK_WS_TILE_PRE]);
+  q.red_pre = (int32_t *)(ws + lay.ws[MOK_WS_RED_PRE]);
+  q.red_order = (int32_t *)(ws + lay.ws[MOK_WS_RED_ORDER]);
+  q.counters = (uint32_t *)(ws + lay.ws[MOK_WS_COUNTERS]);
+  q.n_counters = mok_fc_count(R, E, p->T_max);
+  q.layout_scratch = ws + lay.ws[MOK_WS_LAYOUT];
+  q.ctx_header = ctx + lay.ctx[MOK_CTX_HEADER];
+  q.ctx_slot_row = (int32_t *)(ctx + lay.ctx[MOK_CTX_SLOT_ROW]);
+  q.ctx_offsets = (int32_t *)(ctx + lay.ctx[MOK_CTX_OFFSETS]);
+  q.context_mode = MOK_CONTEXT_RECOMPUTE;
+  MOK_EXPECT_MSG(mok_fwd_layout_launch(&q, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+  std::vector<int32_t> pre((size_t)(E + 2)), order((size_t)(T > 0 ? T : 1));
+  int32_t status = 0;
+  MOK_REQUIRE(cudaMemcpy(pre.data(), q.red_pre, pre.size() * 4, cudaMemcpyDeviceToHost) ==
+              cudaSuccess);
+  cudaMemcpy(order.data(), q.red_order, (size_t)T * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(&status, q.status, 4, cudaMemcpyDeviceToHost);
+  MOK_EXPECT_MSG(status == 1, "%s: status %d", what, status);
+  MOK_EXPECT_MSG(pre[0] == 0 && pre[(size_t)E + 1] == T, "%s: red_pre runs from %d to %d, T = %lld",
+                 what, pre[0], pre[(size_t)E + 1], (long long)T);
+  std::vector<int> seen((size_t)(T > 0 ? T : 1), 0);
+  int64_t bad = 0;
+  for (int64_t b = 0; b <= E; b++) {
+    bad += pre[(size_t)b + 1] < pre[(size_t)b];
+    for (int32_t c = pre[(size_t)b]; c < pre[(size_t)b + 1] && c >= 0 && c < T; c++) {
+      const int32_t t = order[(size_t)c];
+      if (t < 0 || t >= T || seen[(size_t)t]++) {
+        bad++;
+        continue;
+      }
+      int32_t last = -1;
+      for (int64_t k = 0; k < K; k++) last = std::max(last, p->idx[(size_t)(t * K + k)]);
+      bad += last != b - 1;
+    }
+  }
+  MOK_EXPECT_MSG(bad == 0, "%s: %lld tokens out of their bin or repeated in red_order", what,
+                 (long long)bad);
+  cudaFree(idx);
+  cudaFree(tw);
+  cudaFree(ws);
+  cudaFree(ctx);
+}
+
 MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
   NEED_GPU();
   const route_t routes[3] = {{0.2, (1u << 2) | (1u << 7), -1}, {0.0, 0, 1}, {0.0, 0, -1}};
@@ -121,6 +192,7 @@ MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
     MOK_EXPECT(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
     MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
     check_layout(&g, &p, "E = 8, K = 2, T = 1100");
+    check_reduce_order(&p, "reduce order, E = 8, K = 2, T = 1100");
     fwd_gpu_close(&g);
   }
   fwd_problem_t p;  // many experts, K = 8, with empty slots
@@ -133,6 +205,9 @@ MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
   MOK_EXPECT(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
   check_layout(&g, &p, "E = 128, K = 8, T = 2000");
+  check_reduce_order(&p, "reduce order, E = 128, K = 8, T = 2000");
+  fwd_route(&p, route_t{1.0, 0, -1});  // every slot empty: all tokens in bin 0
+  check_reduce_order(&p, "reduce order, every slot empty");
   fwd_gpu_close(&g);
 
   // Long calls on one layer sized for 70000 tokens: chunks of two rounds (T = 70000: 69 chunks of
@@ -145,6 +220,7 @@ MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
   MOK_EXPECT(fwd_gpu_forward(&gq, q.T, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(gq.l) == MOK_SUCCESS, "%s", mok_last_error());
   check_layout(&gq, &q, "E = 8, K = 2, T = 70000");
+  check_reduce_order(&q, "reduce order, E = 8, K = 2, T = 70000 (chunks of two rounds)");
   q.T = 65536;
   MOK_EXPECT(fwd_gpu_forward(&gq, q.T, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(gq.l) == MOK_SUCCESS, "%s", mok_last_error());
@@ -486,14 +562,20 @@ static void fused_case(fwd_problem_t *p, const char *what) {
   }
   // Knobs that must not change a bit, on 3 CTAs: the consumer warpgroups issuing in turns with a,
   // g and u stored from registers and bands of 3 row tiles in the plan; g and u staged but a from
-  // registers, with bands of 8; a GATE_UP tile's release at the end of its epilogue. (By default
-  // all three are staged, the release waits under the next tile, and these small weights give
-  // no bands.)
-  const char *knobs[3][4] = {
+  // registers, with bands of 8; a GATE_UP tile's release at the end of its epilogue; the reduce
+  // helpers from the first task (GATE_UP gathered by 2 warps throughout), or only past the last
+  // GATE_UP task (without a shared expert: tokens in token order after every DOWN tile), or
+  // from the first task in token order. (By default all three are staged, the release waits
+  // under the next tile, these small weights give no bands, and without a shared expert the
+  // helpers start at 85% of the expert stages, in the layout's reduce order.)
+  const char *knobs[6][4] = {
       {"MOK_FUSED_ORDER=1", "MOK_FUSED_GU_STAGED=0", "MOK_TILE_GROUP=3", NULL},
       {"MOK_FUSED_A_STAGED=0", "MOK_TILE_GROUP=8", NULL, NULL},
-      {"MOK_FUSED_DEFER=0", NULL, NULL, NULL}};
-  for (int v = 0; v < 3; v++) {
+      {"MOK_FUSED_DEFER=0", NULL, NULL, NULL},
+      {"MOK_FUSED_HELP_AT=0", NULL, NULL, NULL},
+      {"MOK_FUSED_HELP_AT=100", NULL, NULL, NULL},
+      {"MOK_FUSED_HELP_AT=0", "MOK_FUSED_REDUCE_ORDER=0", NULL, NULL}};
+  for (int v = 0; v < 6; v++) {
     char names[3][32];
     for (int k = 0; knobs[v][k]; k++) {
       snprintf(names[k], sizeof(names[k]), "%s", knobs[v][k]);
@@ -560,6 +642,7 @@ MOK_TEST(fwd_fused_launcher_rejects_bad_arguments) {
   base.l.n_counters = mok_fc_count(200, 8, 100);
   base.l.x = base.l.y = ok, base.l.yk = ok, base.l.err = ok;
   base.l.status = base.l.offsets = base.l.slot_row = base.l.row_tok = base.l.tile_pre = (int32_t *)ok;
+  base.l.red_pre = base.l.red_order = (int32_t *)ok;
   base.l.row_w = (float *)ok;
   base.l.counters = (uint32_t *)ok;
   base.I = 128;
@@ -570,6 +653,7 @@ MOK_TEST(fwd_fused_launcher_rejects_bad_arguments) {
   MOK_EXPECT(mok_fwd_fused_launch(NULL, NULL) == MOK_ERROR_NULL_POINTER);
   p = base; p.l.row_tok = NULL;  MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
   p = base; p.l.counters = NULL; MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.l.red_order = NULL; MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
   p = base; p.wd = NULL;         MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
   p = base; p.l.Is = 128;        /* a shared expert needs its weights and buffers */
   MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
