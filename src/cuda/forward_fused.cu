@@ -29,9 +29,9 @@
  *   claims follow the layout's reduce order (tokens by their highest expert, red_order): a token
  *   is ready once the DOWN tiles of experts up to its last are done, so the helpers reduce tokens
  *   while the tiles of later experts run (with top-8 of 128 experts, (e / 128)^8 of the tokens
- *   have all their experts below e). Qwen3-235B's final reduce took 117 us instead of 310 (Qwen3-
- *   30B: 118 against 163), at the price of gathering with 2 warps in the last 15% of GATE_UP
- *   tiles; the forward 1.0-2.5% faster (bench/NOTES.md v21).
+ *   have all their experts below e). Qwen3-235B's final reduce took 120 us per CTA instead of
+ *   309 (Qwen3-30B: 152 against 163), at the price of gathering with 2 warps in the last 15% of
+ *   GATE_UP tiles; the forward 1.0-2.5% faster (bench/NOTES.md v21).
  *   With one, the helpers leave at the last GATE_UP task and tokens go in token order, each ready
  *   once every DOWN tile and its token tile's SHARED_DOWN tiles are done (the shared expert comes
  *   after every routed tile, in bands of token tiles).
