@@ -164,7 +164,8 @@ typedef struct {
   int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
   int32_t defer;        // such tiles release their counter under the next tile (fk_epilogue)
   int32_t by_last;      // without a shared expert, reduce in the layout's order (fk_reduce_claims)
-  int32_t help_stage;   // expert stage from which 2 producer warps reduce (E + L: none)
+  int32_t help_stage;   // expert stage from which 2 producer warps reduce (E: none before the
+                        // last GATE_UP task)
 } fk_params_t;
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
@@ -384,10 +385,9 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
 
 // A stage without data that only carries a tag to the consumers: a REDUCE task's number, or
 // FK_TAG_END. Thread 0 arrives for all (FK_FULL_ARRIVALS), as on a TMA stage.
-__device__ __forceinline__ void fk_post(const fk_params_t &p, tp_ring_t *ring, uint64_t *full,
-                                        uint64_t *empty, volatile int64_t *s_tag,
-                                        volatile int4 *s_task, int64_t tag, const mok_task_t &task,
-                                        int lt) {
+__device__ __forceinline__ void fk_post(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
+                                        volatile int64_t *s_tag, volatile int4 *s_task,
+                                        int64_t tag, const mok_task_t &task, int lt) {
   if (lt == 0) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     fk_tag(s_tag, s_task, ring->stage, tag, task);
@@ -712,7 +712,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       ptx_named_barrier_sync(FK_BAR_P, 32 * gwarps);
       const int64_t i = s_ticket[k & 1];
       if (i >= num_tasks) {
-        fk_post(p, &ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
+        fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
         break;
       }
       // The stage of this CTA's previous task starts the search (mok_plan_stage_of).
@@ -720,8 +720,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       if (t.kind == MOK_TASK_REDUCE) {  // last in the order: every load of this CTA is issued
         // The consumers reduce on this tag until the tokens are gone, then find the end tag; the
         // CTA takes no more tickets (the claims do the other REDUCE tasks' work too).
-        fk_post(p, &ring, full, empty, s_tag, s_task, i, t, lt);
-        fk_post(p, &ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
+        fk_post(&ring, full, empty, s_tag, s_task, i, t, lt);
+        fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);
         reduce = true;
         break;
       }
