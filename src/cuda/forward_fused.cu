@@ -549,6 +549,11 @@ __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_
   return NULL;
 }
 
+// DN[e]'s target: both consumer warpgroups' releases of each of expert e's DOWN tiles.
+__device__ __forceinline__ uint32_t fk_dn_target(const mok_task_plan_t &plan, int32_t e) {
+  return 2u * (uint32_t)(plan.n_down * (plan.mt_pre[e + 1] - plan.mt_pre[e]));
+}
+
 // The reduce, token by token (rows_local.cuh's sum, one warp per token): lane 0 claims the next
 // token from MOK_FC_CLAIM and waits until its inputs are complete, then the warp sums it. Until
 // the tokens are gone. With by_last, claim c is token red_order[c], whose highest expert is b - 1
@@ -601,8 +606,7 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
       const int32_t e = ready + lane;
       bool done = true;
       if (e < need)
-        done = ptx_ld_acquire_gpu(l.counters + p.dn_base + e) >=
-               2u * (uint32_t)(plan.n_down * (plan.mt_pre[e + 1] - plan.mt_pre[e]));
+        done = ptx_ld_acquire_gpu(l.counters + p.dn_base + e) >= fk_dn_target(plan, e);
       const uint32_t ok = __ballot_sync(0xffffffffu, done);
       if (ok == 0xffffffffu) {
         ready = ready + 32 < need ? ready + 32 : need;
@@ -610,9 +614,7 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
       }
       ready += __ffs(~ok) - 1;
       if (lane == 0)
-        fk_wait(p, (int)p.dn_base + ready,
-                2u * (uint32_t)(plan.n_down * (plan.mt_pre[ready + 1] - plan.mt_pre[ready])),
-                reduce0 + tile, 1000);
+        fk_wait(p, (int)p.dn_base + ready, fk_dn_target(plan, ready), reduce0 + tile, 1000);
       __syncwarp();
       ready++;
     }
@@ -952,9 +954,10 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   const int help_pct = ha && ha[0] ? atoi(ha) : (shared ? 100 : 85);
   kp.help_stage = (int32_t)(E * (help_pct < 0 ? 0 : help_pct > 100 ? 100 : help_pct) / 100);
   // With helpers during the expert stages, the reduce in the layout's order (tokens by their last
-  // expert, fk_reduce_claims) unless MOK_FUSED_REDUCE_ORDER=0; else in token order, whose reads of
-  // yk are closer together (the final reduce at Qwen3-235B took 343 us in the layout's order
-  // against 310 in token order; bench/NOTES.md v21).
+  // expert, fk_reduce_claims) unless MOK_FUSED_REDUCE_ORDER=0; else in token order after every
+  // DOWN tile, counted at once per warpgroup (MOK_FC_DOWN): without early helpers no token is
+  // reduced before the expert stages end, so the order buys nothing and per-expert releases would
+  // only add work to every DOWN tile.
   const char *ro = getenv("MOK_FUSED_REDUCE_ORDER");
   kp.by_last = !shared && kp.help_stage < E && !(ro && ro[0] == '0');
 

@@ -176,6 +176,18 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
   }
 }
 
+// The sum over the chunks of column `col` of a [ctas, stride] partial (pass col's address), and
+// in *before the sum over the chunks before this CTA's.
+__device__ __forceinline__ int32_t ll_total_before(const int32_t *col, int64_t stride, int64_t ctas,
+                                                   int32_t *before) {
+  int32_t total = 0;
+  for (int64_t c = 0; c < ctas; c++) {
+    if (c == blockIdx.x) *before = total;
+    total += col[c * stride];
+  }
+  return total;
+}
+
 __global__ void __launch_bounds__(LL_THREADS, 1)
     ll_finish_kernel(const __grid_constant__ mok_fwd_local_params_t p) {
   extern __shared__ int32_t ll_smem[];
@@ -189,26 +201,10 @@ __global__ void __launch_bounds__(LL_THREADS, 1)
   const ll_partials_t q = ll_partials(p, ctas);
 
   // 2. Totals and the rows before this chunk, per expert; offsets; validity.
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
-    int32_t total = 0, before = 0;
-    for (int64_t c = 0; c < ctas; c++) {
-      const int32_t v = q.counts[c * E + e];
-      if (c == blockIdx.x) before = total;
-      total += v;
-    }
-    offs[e] = total;  // turned into offsets below
-    earlier[e] = before;
-  }
-  for (int64_t b = threadIdx.x; b <= E; b += blockDim.x) {
-    int32_t total = 0, before = 0;
-    for (int64_t c = 0; c < ctas; c++) {
-      const int32_t v = q.last[c * (E + 1) + b];
-      if (c == blockIdx.x) before = total;
-      total += v;
-    }
-    rbase[b] = total;  // turned into this chunk's first position below
-    rpre[b] = before;
-  }
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x)
+    offs[e] = ll_total_before(q.counts + e, E, ctas, &earlier[e]);  // turned into offsets below
+  for (int64_t b = threadIdx.x; b <= E; b += blockDim.x)  // rbase: turned into positions below
+    rbase[b] = ll_total_before(q.last + b, E + 1, ctas, &rpre[b]);
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned long long first_bad = ~0ull, hash = 0;
