@@ -18,7 +18,9 @@ pipeline under torch.autograd (FLOPs 3x the forward's), with fp32 weight gradien
 Shapes: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 (with its shared expert), T = 16384 tokens,
 top-8 routing drawn uniformly at random. Each case first checks MoK's y against the pipeline's
 (relative L2 error; above 1e-2 the case is reported as wrong and not timed), then times both with
-CUDA events after warm-up (median). FLOPs: 6 T K H I + 6 T H Is. Appends one JSON object per case
+CUDA events after warm-up (median; --timing blocked by default: each function runs back to back
+in blocks of --block-ms and the second half of each block is timed, so that each runs at the clock
+its own power draw allows; see gemm.py's time_ms). FLOPs: 6 T K H I + 6 T H Is. Appends one JSON object per case
 to --jsonl (default bench/results/forward.jsonl).
 
     python3 bench/forward.py [--commit SHA] [--cases substring] [--reps 20]
@@ -35,8 +37,8 @@ checking that its y is the chain's bits too.
 --lib-b PATH[,PATH...] times the fused forward of other libmok.so builds in the same rounds
 (mok_lib_b_ms, mok_lib_b2_ms, ...), after checking that each gives the chain's bits: an A/B of
 two builds on the same machine in the same thermal state. Separate processes on the same machine
-measured the same build 1-2% apart (bench/NOTES.md v18); one launch of each function per round
-(--rounds = --reps, the default with --lib-b) is the protocol of v15.
+measured the same build 1-2% apart (bench/NOTES.md v18); with --timing interleaved, one launch of
+each function per round (--rounds = --reps, the default with --lib-b) is the protocol of v15.
 """
 import argparse
 import json
@@ -49,8 +51,9 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-from gemm import (case_selected, default_rounds, git_commit, lib_b_name, load_libs,  # noqa: E402
-                  rel_err, time_ms, with_env)
+from gemm import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
+                  default_rounds, git_commit, lib_b_name, load_libs, rel_err, set_timing, time_ms,
+                  with_env)
 import mok  # noqa: E402
 import mok._lib  # noqa: E402
 
@@ -294,7 +297,8 @@ def run_case(model, args, gen):
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9,
-               chain_ms=chain_ms, chain_ratio=base_ms / chain_ms, fused_pregathered_ms=xg_ms)
+               chain_ms=chain_ms, chain_ratio=base_ms / chain_ms, fused_pregathered_ms=xg_ms,
+               timing=TIMING["mode"], **clock_fields(["mok", "chain", "pregathered", "baseline"]))
     rows = [row]
 
     # Forward + backward: mok_forward + mok_backward (fp32 weight gradients; bf16 ones, like the
@@ -356,7 +360,8 @@ def run_case(model, args, gen):
                 rel_err_vs_baseline=max(errs.values()),
                 rel_errs=errs, baseline=row["baseline"] + ", torch.autograd backward")
     for k in ("mok_ms", "baseline_ms", "ratio", "tflops", "baseline_tflops", "chain_ms",
-              "chain_ratio", "fused_equals_chain", "fused_pregathered_ms", *variants):
+              "chain_ratio", "fused_equals_chain", "fused_pregathered_ms", *variants,
+              *[k for k in brow if k.endswith("_mhz")]):
         brow.pop(k, None)
     if not max(errs.values()) < 2e-2:
         brow["wrong"] = True
@@ -365,7 +370,8 @@ def run_case(model, args, gen):
         mok_ms, base_ms = time_ms([mok_step, base_step], args.warmup, args.reps, args.rounds)
         layer.check()
         brow.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
-                    tflops=3 * flops / mok_ms * 1e-9, baseline_tflops=3 * flops / base_ms * 1e-9)
+                    tflops=3 * flops / mok_ms * 1e-9, baseline_tflops=3 * flops / base_ms * 1e-9,
+                    **clock_fields(["mok", "baseline"]))
     rows.append(brow)
     layer.close()
     return rows
@@ -393,7 +399,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="print the device time of each kernel of the fused forward and the chain, "
                          "and the fused kernel's task trace")
+    add_timing_args(ap)
     args = ap.parse_args()
+    set_timing(args.timing, args.block_ms)
     args.rounds = default_rounds(args)
     args.lib_b = load_libs(args.lib_b, load_lib_b)
     gen = torch.Generator(device="cuda").manual_seed(2026)

@@ -16,8 +16,9 @@ the torch.mm loop in every case. fp8: the gate/up and down GEMMs with MoK's fp8-
 each on its own quantization of the same bf16 operands (group sizes rounded to multiples of 16).
 
 Each case: check MoK's output against torch's (relative L2 error; a case whose error is above
-1e-2 is reported as wrong and not timed), then time both with CUDA events after warm-up (median of
---reps launches; the operands are far larger than L2, so no rotation is needed). Prints a table
+1e-2 is reported as wrong and not timed), then time both with CUDA events after warm-up (median;
+--timing blocked by default: each function back to back in blocks of --block-ms, the second half
+of each block timed, see time_ms; the operands are far larger than L2, so no rotation is needed). Prints a table
 and appends one JSON object per case to --jsonl (default bench/results/gemm.jsonl).
 
     python3 bench/gemm.py [--commit SHA] [--cases substring] [--reps 30]
@@ -186,37 +187,106 @@ def counts_unaligned(routing, rows, experts, gen):
 
 
 def default_rounds(args):
-    """--rounds when given, else one launch per round (--reps) with --lib-b, else 3: coarser
-    rounds gave A/B results that flipped sign between runs (bench/NOTES.md v15)."""
-    return max(1, args.rounds if args.rounds else args.reps if args.lib_b else 3)
+    """--rounds when given, else 3 in blocked timing; interleaved: one launch per round (--reps)
+    with --lib-b, else 3 (coarser rounds gave A/B results that flipped sign, bench/NOTES.md v15)."""
+    if args.rounds:
+        return max(1, args.rounds)
+    return 3 if TIMING["mode"] == "blocked" or not args.lib_b else max(1, args.reps)
+
+
+# How time_ms times (set_timing): "blocked" (default) or "interleaved", and blocked's block length.
+TIMING = {"mode": "blocked", "block_ms": 800.0}
+# The median SM clock (MHz) of each function of the last blocked time_ms call (NVML samples), or
+# None for each where NVML is not available or the timing was interleaved.
+LAST_MHZ = []
+
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    _NVML = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()
+                                              if torch.cuda.is_available() else 0)
+except Exception:  # no NVML: blocked timing without clock samples
+    _NVML = None
+
+
+def set_timing(mode, block_ms=800.0):
+    TIMING.update(mode=mode, block_ms=block_ms)
+
+
+def add_timing_args(ap):
+    ap.add_argument("--timing", choices=("blocked", "interleaved"), default="blocked",
+                    help="blocked (default): each function in blocks of --block-ms of back-to-back "
+                         "launches, timing the second half of each, so that each runs at the clock "
+                         "its own power draw allows (the H200 sits at its 700 W limit under these "
+                         "kernels); interleaved: the functions alternate launch by launch (or in "
+                         "reps/rounds groups) and share one clock (bench/NOTES.md v22)")
+    ap.add_argument("--block-ms", type=float, default=800.0,
+                    help="blocked timing: milliseconds of launches per block (default 800)")
+
+
+def _sm_mhz():
+    return pynvml.nvmlDeviceGetClockInfo(_NVML, pynvml.NVML_CLOCK_SM) if _NVML else None
 
 
 def time_ms(fns, warmup, reps, rounds):
-    """Median ms of each function. The functions are timed in alternating rounds of reps/rounds
-    launches, so that a clock or thermal drift during the case affects all of them alike, in an
-    order shuffled every round: the H200 runs at its 700 W power limit under these kernels, so its
-    clock depends on what ran just before, and a fixed order would favour whichever function
-    follows a cooler one."""
+    """Median ms of each function, in TIMING's mode.
+    blocked: `rounds` rounds; in each, every function runs back to back for about block_ms, and
+    the launches of the block's second half are timed (and the SM clock sampled), so that each
+    function runs at the clock its own power draw allows. The H200 sits at its 700 W limit under
+    these kernels and its power control follows the draw over many milliseconds, so in an
+    interleaved run a function that draws less lends clock to its neighbours: MoK's fused forward
+    against torch's pipeline (many light kernels) at Qwen3-235B read 2.30x interleaved and 1.88x
+    blocked (bench/NOTES.md v22).
+    interleaved: alternating rounds of reps/rounds launches in an order shuffled every round, so
+    that a drift affects all functions alike: finer A/B comparisons of kernels that draw alike."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
-    per = max(1, reps // rounds)
-    order = list(range(len(fns)))
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for fn, t in ((fns[i], times[i]) for i in order):
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
-            for i in range(per):
-                starts[i].record()
-                fn()
-                ends[i].record()
-            torch.cuda.synchronize()
-            t.extend(s.elapsed_time(e) for s, e in zip(starts, ends))
+    mhz = [[] for _ in fns]
+    if TIMING["mode"] == "blocked":
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fns[0]()
+        e1.record()
+        torch.cuda.synchronize()
+        block = max(20, int(TIMING["block_ms"] / max(e0.elapsed_time(e1), 1e-3)))
+        for _ in range(rounds):
+            for fn, t, m in zip(fns, times, mhz):
+                starts = [torch.cuda.Event(enable_timing=True) for _ in range(block)]
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(block)]
+                for i in range(block):
+                    starts[i].record()
+                    fn()
+                    ends[i].record()
+                    if i >= block // 2 and _NVML:
+                        m.append(_sm_mhz())
+                torch.cuda.synchronize()
+                t.extend(s.elapsed_time(e) for s, e in list(zip(starts, ends))[block // 2:])
+    else:
+        per = max(1, reps // rounds)
+        order = list(range(len(fns)))
+        rng = random.Random(0)
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for fn, t in ((fns[i], times[i]) for i in order):
+                starts = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
+                for i in range(per):
+                    starts[i].record()
+                    fn()
+                    ends[i].record()
+                torch.cuda.synchronize()
+                t.extend(s.elapsed_time(e) for s, e in zip(starts, ends))
+    LAST_MHZ[:] = [statistics.median(m) if m else None for m in mhz]
     return [statistics.median(t) for t in times]
+
+
+def clock_fields(names):
+    """{"NAME_mhz": median SM clock} of the last time_ms call's first functions, named in order;
+    {} where it sampled none."""
+    return {f"{n}_mhz": v for n, v in zip(names, LAST_MHZ) if v is not None}
 
 
 def rel_err(x, ref):
@@ -331,7 +401,8 @@ def run_case(lib, model, gemm, routing, args, gen):
     else:
         mok_ms, base_ms = time_ms([mok, base], args.warmup, args.reps, args.rounds)
     row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
-                "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9})
+                "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9,
+                "timing": TIMING["mode"], **clock_fields(["mok", "baseline"])})
     return row
 
 
@@ -425,7 +496,8 @@ def run_case_wgrad(lib, model, gemm, routing, args, gen):
                                                    args.reps, args.rounds)
     row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
                 "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9,
-                "mok_f32_ms": mok32_ms, "mok_direct_store_ms": direct_ms})
+                "mok_f32_ms": mok32_ms, "mok_direct_store_ms": direct_ms,
+                "timing": TIMING["mode"], **clock_fields(["mok", "baseline"])})
     return row
 
 
@@ -544,6 +616,7 @@ def run_case_fp8(lib, model, gemm, routing, args, gen):
         (mok_ms,) = time_ms([mok], args.warmup, args.reps, args.rounds)
         row.update({"mok_ms": mok_ms, "baseline_ms": None, "ratio": None,
                     "tflops": flops / mok_ms / 1e9, "baseline_tflops": None})
+    row.update({"timing": TIMING["mode"], **clock_fields(["mok", "baseline"])})
     row["rel_err_vs_baseline"] = err
     return row
 
@@ -583,10 +656,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=None,
-                    help="alternating rounds the reps of each case are timed in (more: finer "
-                         "interleaving of MoK, torch and the variants); default 3, or one launch "
-                         "per round (= --reps) with --lib-b: coarser rounds gave A/B results that "
-                         "flipped sign between runs (bench/NOTES.md v15)")
+                    help="rounds of the timing (blocked: rounds of one block per function, "
+                         "default 3; interleaved: alternating rounds of reps/rounds launches, "
+                         "default 3, or one launch per round (= --reps) with --lib-b: coarser "
+                         "rounds gave A/B results that flipped sign, bench/NOTES.md v15)")
     ap.add_argument("--sms", type=int, default=0, help="persistent CTAs (0 = one per SM)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
     ap.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
@@ -594,7 +667,9 @@ def main():
                          "direct_store (bf16), rowmajor_scales (fp8), band0, band4, band8, "
                          "band16 (both: tile bands, MOK_TILE_GROUP); all of them, or a comma "
                          "list (each must write the default's bits)")
+    add_timing_args(ap)
     args = ap.parse_args()
+    set_timing(args.timing, args.block_ms)
     args.commit_resolved = git_commit(args.commit)
     args.rounds = default_rounds(args)
     lib = load_lib(args.lib)

@@ -396,10 +396,13 @@ extern "C" int mok_tile_group_m(int64_t b_bytes) {
     cudaGetLastError();
     return 0;
   }
-  // NOTE: 0.45 of the L2, not half: the H200 reports 60 MiB, and B of 29.4 MB (DeepSeek-V3's down
-  // weights in bf16, gate/up in fp8), under half of that, measured 1.5-4% faster in bands, while
-  // 25.2 MB (Qwen3-235B gate/up, bf16) was faster without (bench/NOTES.md v11, v16).
-  return b_bytes * 20 > (int64_t)l2 * 9 ? 8 : 0;
+  // NOTE: from a sixth of the L2 (10.5 MB on the H200, which reports 60 MiB). Timed with each
+  // kernel at the clock its own power draw allows (bench/gemm.py's blocked timing), Qwen3-235B's
+  // 25.2 MB (gate/up) and 12.6 MB (down) ran 4% faster in bands (ncu: 5.3 GB read from HBM
+  // against 8.7 for gate/up), and its fused forward 1%; interleaved with other kernels, which
+  // lends them clock, the bands had measured even or up to 1% slower, hence the former rule of
+  // 0.45 of the L2. Qwen3-30B's 6.3 MB gained nothing (bench/NOTES.md v22).
+  return b_bytes * 6 > (int64_t)l2 ? 8 : 0;
 }
 
 extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *stream) {

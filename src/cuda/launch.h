@@ -86,11 +86,11 @@ typedef struct {
 mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *stream);
 
 /* Row tiles per band of a grouped GEMM's tile order (tile_scheduler.cuh, src/task_plan.h), for
- * groups whose B (weights) takes b_bytes: 8 when that is over 0.45 of the device's L2 cache, so
- * that the tiles that share a B tile are taken together (else B comes from HBM about twice:
- * DeepSeek-V3's 58 MB of gate and up weights per expert); else 0, row tile by row tile, which
- * measured up to a few percent faster where B fits (bench/NOTES.md, v11, v16). MOK_TILE_GROUP=n
- * sets n (0: off). */
+ * groups whose B (weights) takes b_bytes: 8 when that is over a sixth of the device's L2 cache,
+ * so that the tiles that share a B tile are taken together (else B comes from HBM up to twice:
+ * less HBM traffic, less power, a higher clock at the power limit); else 0, row tile by row tile,
+ * which measured as fast for small B (bench/NOTES.md, v11, v16, v22). MOK_TILE_GROUP=n sets n
+ * (0: off). */
 int mok_tile_group_m(int64_t b_bytes);
 
 /* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
