@@ -282,17 +282,21 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
     ptx_mbar_wait(&full[ring->stage], ring->phase);
     uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES + wg * 64 * MOK_TP_ROW_BYTES;
     uint8_t *b_tile = smem + ring->stage * P::STAGE_BYTES + P::A_BYTES;
-    const uint64_t da = ptx_desc_kmajor_sw128(a_tile);
-    const uint64_t db = B_NMAJOR ? ptx_desc_mnmajor_sw128(b_tile, 64 * MOK_TP_ROW_BYTES)
-                                 : ptx_desc_kmajor_sw128(b_tile);
+    // Only the descriptors' low words (start address, and the leading byte offset of N-major B)
+    // change; the high word (stride byte offset, swizzle) is the same constant for both layouts.
+    const uint32_t da = (uint32_t)ptx_desc_kmajor_sw128(a_tile);
+    const uint32_t db = (uint32_t)(B_NMAJOR ? ptx_desc_mnmajor_sw128(b_tile, 64 * MOK_TP_ROW_BYTES)
+                                            : ptx_desc_kmajor_sw128(b_tile));
+    const uint64_t hi = ptx_desc_kmajor_sw128_hi();
     if (ORDERED) tp_turn_wait(wg, kb);
     ptx_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
       // A (and K-major B): k16 step = 32 bytes along the swizzled 128-byte row = +2 in the
-      // descriptor's address field. N-major B: k16 step = 16 rows of 128 bytes = +128.
-      ptx_wgmma_m64n256k16_bf16<B_NMAJOR>(acc, da + 2 * kk, db + (B_NMAJOR ? 128 : 2) * kk,
-                                          (kb | kk) != 0);
+      // descriptor's address field. N-major B: k16 step = 16 rows of 128 bytes = +128. The
+      // address field (bits 0-13) holds any shared address >> 4 plus these steps: no carry.
+      ptx_wgmma_m64n256k16_bf16<B_NMAJOR>(acc, hi | (da + 2 * kk),
+                                          hi | (db + (B_NMAJOR ? 128 : 2) * kk), (kb | kk) != 0);
     }
     ptx_wgmma_commit_group();
     if (ORDERED) tp_turn_pass(wg, kb, k_blocks);
