@@ -20,10 +20,10 @@ top-8 routing drawn uniformly at random. Each case first checks MoK's y against 
 (relative L2 error; above 1e-2 the case is reported as wrong and not timed), then times both with
 CUDA events after warm-up (median; --timing blocked by default: each function runs back to back
 in blocks of --block-ms and the second half of each block is timed, so that each runs at the clock
-its own power draw allows; see gemm.py's time_ms). FLOPs: 6 T K H I + 6 T H Is. Appends one JSON object per case
-to --jsonl (default bench/results/forward.jsonl).
+its own power draw allows; see gemm.py's time_ms). FLOPs: 6 T K H I + 6 T H Is. Appends one JSON
+object per case to --jsonl (default bench/results/forward.jsonl).
 
-    python3 bench/forward.py [--commit SHA] [--cases substring] [--reps 20]
+    python3 bench/forward.py [--commit SHA] [--cases substring] [--timing blocked|interleaved]
                              [--variant NAME:VAR=VALUE ...] [--profile] [--wgrad auto]
 
 --profile also prints the device time of every kernel of the fused forward and of the chain
@@ -384,7 +384,9 @@ def main():
     ap.add_argument("--cases", default="",
                     help="run only models whose name contains this (or one of these, comma list)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20,
+                    help="launches per function with --timing interleaved (blocked timing "
+                         "sizes its blocks by --block-ms)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="alternate the timed functions this many times (reps / rounds each; "
                          "default 3, or --reps with --lib-b)")

@@ -18,10 +18,11 @@ each on its own quantization of the same bf16 operands (group sizes rounded to m
 Each case: check MoK's output against torch's (relative L2 error; a case whose error is above
 1e-2 is reported as wrong and not timed), then time both with CUDA events after warm-up (median;
 --timing blocked by default: each function back to back in blocks of --block-ms, the second half
-of each block timed, see time_ms; the operands are far larger than L2, so no rotation is needed). Prints a table
-and appends one JSON object per case to --jsonl (default bench/results/gemm.jsonl).
+of each block timed, see time_ms; the operands are far larger than L2, so no rotation is
+needed). Prints a table and appends one JSON object per case to --jsonl (default
+bench/results/gemm.jsonl).
 
-    python3 bench/gemm.py [--commit SHA] [--cases substring] [--reps 30]
+    python3 bench/gemm.py [--commit SHA] [--cases substring] [--timing blocked|interleaved]
 """
 import argparse
 import ctypes
@@ -654,7 +655,9 @@ def main():
     ap.add_argument("--cases", default="",
                     help="run only cases whose name contains this (or one of these, comma list)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=30,
+                    help="launches per function with --timing interleaved (blocked timing "
+                         "sizes its blocks by --block-ms)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds of the timing (blocked: rounds of one block per function, "
                          "default 3; interleaved: alternating rounds of reps/rounds launches, "
