@@ -229,6 +229,21 @@ def _sm_mhz():
     return pynvml.nvmlDeviceGetClockInfo(_NVML, pynvml.NVML_CLOCK_SM) if _NVML else None
 
 
+def _time_launches(fn, n, after=None):
+    """ms of each of n back-to-back launches of fn (CUDA events around each); after(i), when
+    given, runs on the host after launch i is enqueued."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        starts[i].record()
+        fn()
+        ends[i].record()
+        if after:
+            after(i)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
 def time_ms(fns, warmup, reps, rounds):
     """Median ms of each function, in TIMING's mode.
     blocked: `rounds` rounds; in each, every function runs back to back for about block_ms, and
@@ -247,39 +262,21 @@ def time_ms(fns, warmup, reps, rounds):
     times = [[] for _ in fns]
     mhz = [[] for _ in fns]
     if TIMING["mode"] == "blocked":
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fns[0]()
-        e1.record()
-        torch.cuda.synchronize()
-        block = max(20, int(TIMING["block_ms"] / max(e0.elapsed_time(e1), 1e-3)))
+        block = max(20, int(TIMING["block_ms"] / max(_time_launches(fns[0], 1)[0], 1e-3)))
         for _ in range(rounds):
             for fn, t, m in zip(fns, times, mhz):
-                starts = [torch.cuda.Event(enable_timing=True) for _ in range(block)]
-                ends = [torch.cuda.Event(enable_timing=True) for _ in range(block)]
-                for i in range(block):
-                    starts[i].record()
-                    fn()
-                    ends[i].record()
-                    if i >= block // 2 and i % 8 == 0 and _NVML:  # NVML calls hold up the launches
+                def sample(i, m=m):  # NVML calls hold up the launches: every 8th of the 2nd half
+                    if i >= block // 2 and i % 8 == 0 and _NVML:
                         m.append(_sm_mhz())
-                torch.cuda.synchronize()
-                t.extend(s.elapsed_time(e) for s, e in list(zip(starts, ends))[block // 2:])
+                t.extend(_time_launches(fn, block, sample)[block // 2:])
     else:
         per = max(1, reps // rounds)
         order = list(range(len(fns)))
         rng = random.Random(0)
         for _ in range(rounds):
             rng.shuffle(order)
-            for fn, t in ((fns[i], times[i]) for i in order):
-                starts = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
-                ends = [torch.cuda.Event(enable_timing=True) for _ in range(per)]
-                for i in range(per):
-                    starts[i].record()
-                    fn()
-                    ends[i].record()
-                torch.cuda.synchronize()
-                t.extend(s.elapsed_time(e) for s, e in zip(starts, ends))
+            for i in order:
+                times[i].extend(_time_launches(fns[i], per))
     LAST_MHZ[:] = [statistics.median(m) if m else None for m in mhz]
     return [statistics.median(t) for t in times]
 
