@@ -4,7 +4,8 @@ torch._grouped_mm, in the same process on the same inputs.
 
 Cases: the gate/up and down GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 with T = 16384
 tokens and top-k 8 (R = 131072 routed rows), balanced routing and skewed routing (4 experts take
-half of the rows); gate/up with MoK's fused SwiGLU epilogue against torch's plain GEMM; and the
+half of the rows); gate/up with MoK's fused SwiGLU epilogue against torch's plain GEMM (the
+ratio; baseline_act_ms and ratio_act add torch's GEMM followed by the activation it replaces); and the
 backward data-gradient GEMMs, whose weights are read N-major: ds = dy · Wd[e] (Wd [E, H, I]) and
 dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). Weight gradients (mok_grouped_wgrad_launch, the groups
 split the reduction over rows) for Qwen3-235B-A22B: dWd[e] = dy_eᵀ · a_e ([H, I]) and dWg[e] =
@@ -367,6 +368,11 @@ def run_case(lib, model, gemm, routing, args, gen):
     def base():
         return torch._grouped_mm(a, wt, offs=offs_torch)
 
+    def base_act():  # what the SwiGLU epilogue replaces: the GEMM, then a = bf16(w · silu(g) · u)
+        gu = torch._grouped_mm(a, wt, offs=offs_torch)
+        return (router[:, None] * torch.nn.functional.silu(gu[:, :I].float()) *
+                gu[:, I:].float()).to(torch.bfloat16)
+
     # correctness against torch on these inputs (poison first: every row must be written)
     out.fill_(float("nan"))
     mok()
@@ -390,12 +396,17 @@ def run_case(lib, model, gemm, routing, args, gen):
     # every configuration computes each tile in the same K order: the same bits (out: mok's)
     variants = check_same_bits(selected_variants(args, variants), out, row["case"])
     variants.update(lib_b_variant(args, p, stream, out, row["case"]))
+    if gemm == "gate_up_swiglu":  # the ratio stays against the GEMM alone, the stricter baseline
+        variants["baseline_act_ms"] = base_act
     if variants:
         times = time_ms([mok, base] + list(variants.values()), args.warmup, args.reps,
                         args.rounds)
         mok_ms, base_ms = times[:2]
         for name, t in zip(variants, times[2:]):
             row[name] = t
+        if "baseline_act_ms" in row:
+            row["baseline_act"] = "torch._grouped_mm, then w · silu(g) · u in fp32 to bf16"
+            row["ratio_act"] = row["baseline_act_ms"] / times[0]
     else:
         mok_ms, base_ms = time_ms([mok, base], args.warmup, args.reps, args.rounds)
     row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
@@ -634,6 +645,9 @@ def describe(row):
     if "mok_f32_ms" not in row:  # --variants
         out += "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items()
                        if k in variants_names or k.startswith("mok_lib_b"))
+        if "ratio_act" in row:
+            out += (f" | torch + activation {row['baseline_act_ms']:.3f} ms, "
+                    f"ratio {row['ratio_act']:.3f}")
     else:  # weight gradients
         out += (f" | mok fp32 out {row['mok_f32_ms']:.3f} ms | mok direct stores "
                 f"{row['mok_direct_store_ms']:.3f} ms | baseline {row['baseline']}")
