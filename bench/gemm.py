@@ -6,8 +6,8 @@ Cases: the gate/up and down GEMMs of Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek
 tokens and top-k 8 (R = 131072 routed rows), balanced routing and skewed routing (4 experts take
 half of the rows); gate/up with MoK's fused SwiGLU epilogue against torch's plain GEMM (the ratio;
 baseline_act_ms and ratio_act add torch's GEMM followed by the activation it replaces); and the
-backward data-gradient GEMMs, whose weights are read N-major: ds = dy · Wd[e] (Wd [E, H, I]) and dx
-= [dg du] · [Wg; Wu][e] ([E, 2I, H]). Weight gradients (mok_grouped_wgrad_launch, the groups split
+backward data-gradient GEMMs, whose weights are read N-major: ds = dy · Wd[e] (Wd [E, H, I]) and
+dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). Weight gradients (mok_grouped_wgrad_launch, the groups split
 the reduction over rows) for Qwen3-235B-A22B: dWd[e] = dy_eᵀ · a_e ([H, I]) and dWg[e] = dg_eᵀ · x_e
 ([I, H]), bf16 outputs, against torch._grouped_mm(dy.t(), a, offs) (its 2D x 2D form: offsets split
 the reduction, output [E, N, K]); when torch rejects that form, against a loop of torch.mm per
