@@ -18,10 +18,11 @@ pipeline under torch.autograd (FLOPs 3x the forward's), with fp32 weight gradien
 Shapes: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 (with its shared expert), T = 16384 tokens,
 top-8 routing drawn uniformly at random. Each case first checks MoK's y against the pipeline's
 (relative L2 error; above 1e-2 the case is reported as wrong and not timed), then times both with
-CUDA events after warm-up (median; --timing blocked by default: each function runs back to back
-in blocks of --block-ms and the second half of each block is timed, so that each runs at the clock
-its own power draw allows; see gemm.py's time_ms). FLOPs: 6 T K H I + 6 T H Is. Appends one JSON
-object per case to --jsonl (default bench/results/forward.jsonl).
+CUDA events after warm-up (median; --timing blocked by default: each function runs back to back in
+blocks of launches, about --block-ms for the first, and the second half of each block is timed, so
+that each runs at the clock its own power draw allows; see gemm.py's time_ms).
+FLOPs: 6 T K H I + 6 T H Is. Appends one JSON object per case to --jsonl (default
+bench/results/forward.jsonl).
 
     python3 bench/forward.py [--commit SHA] [--cases substring] [--timing blocked|interleaved]
                              [--variant NAME:VAR=VALUE ...] [--profile] [--wgrad auto]

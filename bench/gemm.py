@@ -7,20 +7,21 @@ tokens and top-k 8 (R = 131072 routed rows), balanced routing and skewed routing
 half of the rows); gate/up with MoK's fused SwiGLU epilogue against torch's plain GEMM (the ratio;
 baseline_act_ms and ratio_act add torch's GEMM followed by the activation it replaces); and the
 backward data-gradient GEMMs, whose weights are read N-major: ds = dy · Wd[e] (Wd [E, H, I]) and
-dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). Weight gradients (mok_grouped_wgrad_launch, the groups split
-the reduction over rows) for Qwen3-235B-A22B: dWd[e] = dy_eᵀ · a_e ([H, I]) and dWg[e] = dg_eᵀ · x_e
-([I, H]), bf16 outputs, against torch._grouped_mm(dy.t(), a, offs) (its 2D x 2D form: offsets split
-the reduction, output [E, N, K]); when torch rejects that form, against a loop of torch.mm per
-expert (the row says which). Correctness of the weight gradients is checked against the torch.mm
-loop in every case. fp8: the gate/up and down GEMMs with MoK's fp8-block path (1x128 activation and
-128x128 weight scales) against torch._scaled_grouped_mm with rowwise scales (use_fast_accum=True),
-each on its own quantization of the same bf16 operands (group sizes rounded to multiples of 16).
+dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). Weight gradients (mok_grouped_wgrad_launch, the groups
+split the reduction over rows) for Qwen3-235B-A22B: dWd[e] = dy_eᵀ · a_e ([H, I]) and
+dWg[e] = dg_eᵀ · x_e ([I, H]), bf16 outputs, against torch._grouped_mm(dy.t(), a, offs) (its
+2D x 2D form: offsets split the reduction, output [E, N, K]); when torch rejects that form, against
+a loop of torch.mm per expert (the row says which). Correctness of the weight gradients is checked
+against the torch.mm loop in every case. fp8: the gate/up and down GEMMs with MoK's fp8-block path
+(1x128 activation and 128x128 weight scales) against torch._scaled_grouped_mm with rowwise scales
+(use_fast_accum=True), each on its own quantization of the same bf16 operands (group sizes rounded
+to multiples of 16).
 
-Each case: check MoK's output against torch's (relative L2 error; a case whose error is above
-1e-2 is reported as wrong and not timed), then time both with CUDA events after warm-up (median;
---timing blocked by default: each function back to back in blocks of --block-ms, the second half
-of each block timed, see time_ms; the operands are far larger than L2, so no rotation is
-needed). Prints a table and appends one JSON object per case to --jsonl (default
+Each case: check MoK's output against torch's (relative L2 error; a case whose error is above 1e-2
+is reported as wrong and not timed), then time both with CUDA events after warm-up (median; --timing
+blocked by default: each function back to back in blocks of launches, about --block-ms for the
+first, the second half of each block timed, see time_ms; the operands are far larger than L2, so no
+rotation is needed). Prints a table and appends one JSON object per case to --jsonl (default
 bench/results/gemm.jsonl).
 
     python3 bench/gemm.py [--commit SHA] [--cases substring] [--timing blocked|interleaved]
@@ -217,13 +218,15 @@ def set_timing(mode, block_ms=800.0):
 
 def add_timing_args(ap):
     ap.add_argument("--timing", choices=("blocked", "interleaved"), default="blocked",
-                    help="blocked (default): each function in blocks of --block-ms of back-to-back "
-                         "launches, timing the second half of each, so that each runs at the clock "
-                         "its own power draw allows (the H200 sits at its 700 W limit under these "
-                         "kernels); interleaved: the functions alternate launch by launch (or in "
-                         "reps/rounds groups) and share one clock (bench/NOTES.md v22)")
+                    help="blocked (default): each function in blocks of back-to-back launches "
+                         "(see --block-ms), timing the second half of each, so that each runs at "
+                         "the clock its own power draw allows (the H200 sits at its 700 W limit "
+                         "under these kernels); interleaved: the functions alternate launch by "
+                         "launch (or in reps/rounds groups) and share one clock (bench/NOTES.md "
+                         "v22)")
     ap.add_argument("--block-ms", type=float, default=800.0,
-                    help="blocked timing: milliseconds of launches per block (default 800)")
+                    help="blocked timing: milliseconds of the first timed function's block "
+                         "(default 800; the others run as many launches)")
 
 
 def _sm_mhz():
@@ -247,9 +250,11 @@ def _time_launches(fn, n, after=None):
 
 def time_ms(fns, warmup, reps, rounds):
     """Median ms of each function, in TIMING's mode.
-    blocked: `rounds` rounds; in each, every function runs back to back for about block_ms, and
+    blocked: `rounds` rounds; in each, every function runs a block of back-to-back launches, and
     the launches of the block's second half are timed (and the SM clock sampled), so that each
-    function runs at the clock its own power draw allows. The H200 sits at its 700 W limit under
+    function runs at the clock its own power draw allows. Every block has the same launch count,
+    sized so that the first function's takes about block_ms (one timed launch of it); a function
+    k times slower runs k times as long. The H200 sits at its 700 W limit under
     these kernels and its power control follows the draw over many milliseconds, so in an
     interleaved run a function that draws less lends clock to its neighbours: MoK's fused forward
     against torch's pipeline (many light kernels) at Qwen3-235B read 2.30x interleaved and 1.88x
