@@ -13,13 +13,13 @@ CFLAGS   := -std=c11 -O2 -g -Wall -Wextra -Werror=implicit-function-declaration 
             -Iinclude -Isrc
 LDLIBS   := -lm -lpthread
 
-HOST_SRCS := $(wildcard src/*.c src/cpu/*.c)
+HOST_SRCS := $(wildcard src/api/*.c src/cpu/*.c src/gpu/*.c)
 CUDA_SRCS :=
 TEST_SRCS := $(wildcard tests/*.c)
 GPU_TEST_SRCS :=
 
 ifneq ($(NVCC),)
-  CUDA_SRCS     := $(wildcard src/cuda/*.cu)
+  CUDA_SRCS     := $(wildcard src/cuda/*/*.cu)
   GPU_TEST_SRCS := $(wildcard tests/gpu/*.cu)
   CFLAGS        += -DMOK_WITH_CUDA -I$(CUDA_HOME)/include
   NVCCFLAGS     := -std=c++17 -O3 -g -lineinfo -gencode=arch=compute_90a,code=sm_90a \
@@ -47,8 +47,8 @@ endif
 HOST_OBJS := $(HOST_SRCS:%.c=$(BUILD)/%.o)
 CUDA_OBJS := $(CUDA_SRCS:%.cu=$(BUILD)/%.o)
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o) $(GPU_TEST_SRCS:%.cu=$(BUILD)/%.o)
-HEADERS   := $(wildcard include/*.h src/*.h src/cpu/*.h src/cuda/*.h src/cuda/*.cuh tests/*.h \
-               tests/gpu/*.cuh)
+HEADERS   := $(wildcard include/*.h src/*/*.h src/cuda/*.cuh src/cuda/*/*.h src/cuda/*/*.cuh \
+               tests/*.h tests/gpu/*.h tests/gpu/*.cuh)
 
 .PHONY: all test run bench clean check-spills nccl-info
 all: $(BUILD)/libmok.so $(BUILD)/mok_tests $(BUILD)/mok_run
@@ -76,7 +76,7 @@ $(BUILD)/mok_run: $(BUILD)/tools/mok_run.o $(BUILD)/libmok.so
 
 # Fails when any kernel spills registers to local memory, or when ptxas serializes wgmma
 # (C7514/C7518: "wgmma.mma_async instructions are serialized"), which would silently undo a
-# pipelined mainloop (the two-set fp8 loop of tile_pipeline.cuh relies on it).
+# pipelined mainloop (the two-set fp8 loop of tile/pipeline.cuh relies on it).
 check-spills: $(CUDA_OBJS)
 	@if ls $(BUILD)/ptxas/*.log >/dev/null 2>&1; then \
 	  if grep -h "spill" $(BUILD)/ptxas/*.log | grep -v " 0 bytes spill stores, 0 bytes spill loads" ; then \

@@ -7,7 +7,7 @@ gather the token rows, torch._grouped_mm with the concatenated gate and up weigh
 the router weight in fp32, torch._grouped_mm with the down weights, index_add_ into an fp32
 output, plus the shared expert as dense matmuls; y in bf16. MoK runs what mok_forward and mok_backward
 run by default: the forward is the layout kernel plus one fused persistent kernel
-(src/cuda/forward_fused.cu), the backward the kernel chain of src/gpu_backward.c. The forward's
+(src/cuda/forward/fused.cu), the backward the kernel chain of src/gpu/backward.c. The forward's
 unfused kernel chain (MOK_FORWARD=chain) is timed in the same run (chain_ms), and so is the fused
 kernel reading rows gathered by a kernel first (fused_pregathered_ms); y must be the same bits
 every way (fused_equals_chain). Each model also gets a forward + backward case against the
@@ -141,8 +141,8 @@ def print_kernel_times(model, label, fn):
         print(f"    {t:8.3f} ms  {name[:100]}")
 
 
-TRACE_PER_CTA, TRACE_FIELDS = 2048, 8  # src/cuda/forward_fused.cu: FK_TRACE_*
-TASK_KINDS = ("SHARED_GATE_UP", "GATE_UP", "DOWN", "SHARED_DOWN", "REDUCE")  # src/task_plan.h
+TRACE_PER_CTA, TRACE_FIELDS = 2048, 8  # src/cuda/forward/fused.cu: FK_TRACE_*
+TASK_KINDS = ("SHARED_GATE_UP", "GATE_UP", "DOWN", "SHARED_DOWN", "REDUCE")  # src/common/task_plan.h
 
 
 def print_fused_trace(model, fn):
@@ -253,7 +253,7 @@ def run_case(model, args, gen):
            "baseline": "PyTorch pipeline: argsort + torch._grouped_mm + SwiGLU + index_add_",
            "commit": git_commit(args.commit), "torch": torch.__version__,
            "rel_err_vs_baseline": err, "fused_equals_chain": same,
-           "mok_path": "layout + fused persistent kernel (src/cuda/forward_fused.cu)"}
+           "mok_path": "layout + fused persistent kernel (src/cuda/forward/fused.cu)"}
     if not err < 1e-2:
         row["wrong"] = True
         print(f"{model}: WRONG, relative error {err:.3g} against the PyTorch pipeline")
@@ -356,7 +356,7 @@ def run_case(model, args, gen):
             "dwd": rel_err(grads["dwd"], leaves["wd"].grad.float()),
             "dwg": rel_err(grads["dwg"], leaves["wg"].grad.float())}
     brow = dict(row, case=f"{model}/T{T}/fwd+bwd",
-                mok_path="fused forward kernel + backward kernel chain (src/gpu_backward.c)",
+                mok_path="fused forward kernel + backward kernel chain (src/gpu/backward.c)",
                 wgrad="fp32" if wgrad_fp32 else "bf16",
                 rel_err_vs_baseline=max(errs.values()),
                 rel_errs=errs, baseline=row["baseline"] + ", torch.autograd backward")

@@ -49,7 +49,7 @@ MODELS = {  # name: (H, I, E)
 }
 T, TOPK = 16384, 8
 
-# enums of src/cuda/launch.h
+# enums of src/cuda/gemm/gemm.h
 BF16, FP8_BLOCK, KMAJOR, NMAJOR = 0, 1, 0, 1
 EPI_STORE_BF16, EPI_STORE_F32, EPI_ACCUM_F32, EPI_SWIGLU = 0, 1, 2, 3
 

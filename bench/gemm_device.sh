@@ -15,7 +15,7 @@ if ! timeout 300 make -j16 build/libmok.so build/mok_tests > "$OUT/build.log" 2>
   echo "make failed (see build.log); building the GEMM library and tests alone" | tee -a "$OUT/build.log"
   NV="nvcc -std=c++17 -O3 -g -lineinfo -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Iinclude -Isrc -DMOK_WITH_CUDA"
   mkdir -p build/src/cuda build/tests/gpu build/ptxas
-  $NV -Xptxas -v -c src/cuda/grouped_gemm.cu -o build/src/cuda/grouped_gemm.o \
+  $NV -Xptxas -v -c src/cuda/gemm/grouped_gemm.cu -o build/src/cuda/grouped_gemm.o \
     2> build/ptxas/src_cuda_grouped_gemm.cu.log &&
   $NV -c tests/gpu/test_gemm.cu -o build/tests/gpu/test_gemm.o &&
   gcc -std=c11 -O2 -c tests/runner.c -o build/tests/runner.o &&

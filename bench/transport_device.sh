@@ -23,7 +23,7 @@ if ! timeout 400 make -j16 build/libmok.so build/mok_tests >> "$OUT/build.log" 2
   # Another part of src/cuda may be mid-change: build the transport alone.
   echo "full make failed (build.log); building without the other CUDA sources" | tee -a "$OUT/build.log"
   grep -E " error" "$OUT/build.log" | head -5
-  if ! timeout 400 make -j16 CUDA_SRCS="src/cuda/nccl_window.cu src/cuda/transport.cu" \
+  if ! timeout 400 make -j16 CUDA_SRCS="src/cuda/comm/nccl_window.cu src/cuda/comm/transport.cu" \
       GPU_TEST_SRCS=tests/gpu/test_transport.cu build/libmok.so build/mok_tests \
       >> "$OUT/build.log" 2>&1; then
     echo "transport build failed:"; grep -E "error" "$OUT/build.log" | tail -20; exit 1

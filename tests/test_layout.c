@@ -3,7 +3,7 @@
  * then the layout's defining properties checked on random routings over W = 1..8 ranks and the
  * routing edge cases (uneven T, T = 0 with no routing array, empty experts, all tokens to one
  * expert, K = 1, empty slots), then every error path with its detail message. Last, the GPU
- * layout's split of the tokens into chunks (src/workspace.h).
+ * layout's split of the tokens into chunks (src/common/workspace.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -11,7 +11,7 @@
 
 #include "cpu/layout.h"
 #include "test.h"
-#include "workspace.h"
+#include "common/workspace.h"
 
 /* ---- the property checker -------------------------------------------------------------------- */
 
@@ -370,7 +370,7 @@ MOK_TEST(layout_rejects_bad_arguments) {
   MOK_EXPECT(l.T == NULL);
 }
 
-/* ---- the GPU layout's chunks (src/workspace.h, mok_ll_*) --------------------------------------- */
+/* ---- the GPU layout's chunks (src/common/workspace.h, mok_ll_*) --------------------------------------- */
 
 /* For every T up to 200 000 tokens: the chunks are whole rounds, at most MOK_LL_MAX_CTAS of them,
  * cover [0, T) with no empty chunk, and the layout region sized for any T_max >= T holds their

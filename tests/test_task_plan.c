@@ -1,5 +1,5 @@
 /*
- * test_task_plan.c: the forward kernel's global task order (src/task_plan.h).
+ * test_task_plan.c: the forward kernel's global task order (src/common/task_plan.h).
  *
  * 1. Enumeration: every task exists exactly once, of the right kinds and counts.
  * 2. Deadlock freedom, by simulation: G resident "CTAs" take tasks in the global order (static
@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "cpu/layout.h"
-#include "task_plan.h"
+#include "common/task_plan.h"
 #include "test.h"
 
 enum { BM = 4 }; /* rows per tile and tokens per reduce block in these small shapes */
@@ -167,7 +167,7 @@ enum { POLICY_RANDOM, POLICY_LATEST, POLICY_EARLIEST };
  * defer: a CTA that finishes a (SHARED_)GATE_UP task holds its release until its next task starts
  * when that task's inputs are already complete (then it could start at once), and releases at
  * once otherwise or when it has no next task: the fused kernel's deferred release
- * (forward_fused.cu, fk_deferred_release), modelled where it defers the most. A DOWN task's
+ * (forward/fused.cu, fk_deferred_release), modelled where it defers the most. A DOWN task's
  * release is held until the CTA's next task ends, unless that is a REDUCE (then at once): the
  * kernel's release of a DOWN tile under its next tile's last stage (fk_flush_down), modelled
  * later than it happens. defer = 2 holds GATE_UP releases whenever there is a next task (unsafe:

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "mok_internal.h" /* mok_fail: the detail behind mok_last_error() */
+#include "api/api.h" /* mok_fail: the detail behind mok_last_error() */
 
 #define QUANT_E4M3_MAX 448.0f
 #define QUANT_E4M3_MAX_CODE 0x7E /* 448 = 1.75 * 2^8 */

@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#include "workspace.h"
+#include "common/workspace.h"
 
 __device__ __forceinline__ void mok_ws_record_error(mok_ws_error_t *err, int code, int kind,
                                                     int64_t token, int64_t slot, int64_t value,

@@ -7,6 +7,7 @@
 #ifndef MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
 #define MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
 
+#include "cuda/backward/backward.h"
 #include "forward_test_util.cuh"
 
 enum { BWD_NW = 6 };  // weight gradients: wg, wu, wd, wsg, wsu, wsd

@@ -21,7 +21,8 @@ extern "C" {
 }
 #include "gemm_test_util.h"
 #include "mok.h"
-#include "workspace.h"
+#include "common/workspace.h"
+#include "cuda/forward/forward.h"
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Problems                                                                                        */
@@ -111,7 +112,7 @@ static mok_layer_desc_t fwd_desc(const fwd_problem_t *p, int64_t Is, int64_t T_m
   return d;
 }
 
-// The GPU context's layout (src/workspace.h), as the layer computes it.
+// The GPU context's layout (src/common/workspace.h), as the layer computes it.
 static mok_ws_layout_t fwd_ctx_layout(const fwd_problem_t *p) {
   mok_layer_desc_t d = fwd_desc(p, p->Is, p->T_max);
   const double cf = p->capacity_factor > 0 ? p->capacity_factor : 1.0;  // layer.c, W = 1

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "../test.h"
-#include "cuda/launch.h"
+#include "cuda/gemm/gemm.h"
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Helpers                                                                                         */

@@ -1,5 +1,5 @@
 /*
- * test_backward.cu: the unfused GPU backward of a W = 1 BF16 layer (src/gpu_backward.c and its
+ * test_backward.cu: the unfused GPU backward of a W = 1 BF16 layer (src/gpu/backward.c and its
  * kernels) against the CPU layer's forward + backward on the same inputs (tolerance:
  * backward_test_util.cuh): dx, dtopk_w and every weight gradient, in both weight-gradient dtypes,
  * overwritten and accumulated; routing edge cases; bitwise run-to-run determinism; RECOMPUTE

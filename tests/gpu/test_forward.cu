@@ -1,5 +1,5 @@
 /*
- * test_forward.cu: the GPU forward of a W = 1 BF16 layer (src/gpu_backend.c: the fused
+ * test_forward.cu: the GPU forward of a W = 1 BF16 layer (src/gpu/forward.c: the fused
  * persistent kernel by default) against the CPU layer on the same inputs (tolerance:
  * forward_test_util.cuh), plus what only the GPU has: the layout against src/cpu/layout.c,
  * bitwise run-to-run determinism, CUDA graph capture and replay with new routing in the same
@@ -336,7 +336,7 @@ MOK_TEST(fwd_gpu_saved_context_matches_cpu) {
   const int32_t *slot_row = (const int32_t *)(c.data() + lay.ctx[MOK_CTX_SLOT_ROW]);
   const uint16_t *gg = (const uint16_t *)(c.data() + lay.ctx[MOK_CTX_G]);
   const uint16_t *gu = (const uint16_t *)(c.data() + lay.ctx[MOK_CTX_U]);
-  // CPU context (mok_internal.h): header, then g, u [T_max * K, I], gs, us [T_max, Is].
+  // CPU context (api/api.h): header, then g, u [T_max * K, I], gs, us [T_max, Is].
   const uint16_t *cg = (const uint16_t *)(cref.data() + sizeof(mok_ctx_header_t));
   const uint16_t *cu = cg + TK * I, *cgs = cu + TK * I, *cus = cgs + p.T_max * Is;
   std::vector<uint16_t> g_gpu, u_gpu, g_ref, u_ref;  // routed rows in (token, slot) order
@@ -660,7 +660,7 @@ MOK_TEST(fwd_fused_launcher_rejects_bad_arguments) {
   p = base; p.l.H = 200;         MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.I = 0;             MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.l.E = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
-  p = base; p.l.E = MOK_FWD_MAX_EXPERTS + 1;
+  p = base; p.l.E = MOK_MAX_EXPERTS + 1;
   MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.l.K = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.l.n_counters -= 1; MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);

@@ -1,5 +1,5 @@
 /*
- * test_gemm.cu: tests of the persistent grouped GEMM (src/cuda/grouped_gemm.cu).
+ * test_gemm.cu: tests of the persistent grouped GEMM (src/cuda/gemm/grouped_gemm.cu).
  *
  * Small shapes against a CPU reference written here (fp64 sums of the bf16 operands), large ones
  * against cuBLAS (cublasGemmEx per group, fp32 accumulation); every epilogue; ragged, empty and

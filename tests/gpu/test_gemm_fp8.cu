@@ -147,7 +147,7 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
   cudaFree(dc); cudaFree(dsa_t);
 }
 
-// The mainloop runs blocks in pairs, then a tail of one or two (tile_pipeline.cuh): K = 1, 2, 3 and
+// The mainloop runs blocks in pairs, then a tail of one or two (tile/pipeline.cuh): K = 1, 2, 3 and
 // 5 blocks of 128 cover every tail, and one block alone.
 MOK_TEST(gemm_fp8_block_every_k_tail_matches_cpu) {
   if (!gpu_present()) MOK_SKIP("no CUDA device");

@@ -1,5 +1,5 @@
 /*
- * test_gemm_wgrad.cu: tests of the k-grouped weight-gradient GEMM (src/cuda/grouped_wgrad.cu):
+ * test_gemm_wgrad.cu: tests of the k-grouped weight-gradient GEMM (src/cuda/gemm/grouped_wgrad.cu):
  * C[g] [N, K] = A_gᵀ · B_g, A [M, N], B [M, K], the groups' rows [offsets[g], offsets[g+1]).
  *
  * Small shapes against a CPU reference written here (fp64 sums of the bf16 operands), a large one

@@ -1,5 +1,5 @@
 /*
- * test_quantize.cu: the GPU quantizers (src/cuda/quantize.cuh, src/cuda/quantize.cu) against the
+ * test_quantize.cu: the GPU quantizers (src/cuda/quant/quantize.cuh, src/cuda/quant/quantize.cu) against the
  * host's (src/cpu/quant.c), bit for bit: every comparison is a memcmp of e4m3 bytes and of scale
  * bytes (fp32 NaN scales included), never a tolerance, because the spec (include/mok.h,
  * "Quantizers") defines one result.
@@ -27,9 +27,10 @@
 #include <vector>
 
 #include "../test.h"
-#include "cuda/launch.h"
-#include "cuda/quantize.cuh"
-#include "mok_internal.h"
+#include "cuda/forward/forward.h"
+#include "cuda/quant/quant.h"
+#include "cuda/quant/quantize.cuh"
+#include "api/api.h"
 extern "C" {
 #include "cpu/quant.h"
 }

@@ -1,6 +1,6 @@
 /*
- * test_transport.cu: the NVLink transport (src/transport.c, src/cuda/transport.cu,
- * src/cuda/nccl_window.cu) on two GPUs, one thread per GPU in this process (ncclCommInitAll, or
+ * test_transport.cu: the NVLink transport (src/gpu/transport.c, src/cuda/comm/transport.cu,
+ * src/cuda/comm/nccl_window.cu) on two GPUs, one thread per GPU in this process (ncclCommInitAll, or
  * a unique id shared between the threads; the harness is transport_team.cuh). Skips without NCCL
  * in the build or with fewer than two GPUs; NCCL_NVLS_ENABLE=0 is set before any communicator
  * exists. transport_rejects_bad_arguments runs everywhere.
@@ -23,7 +23,9 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "cuda/launch.h"
+#include "cuda/comm/comm.h"
+#include "cuda/forward/forward.h"
+#include "cuda/quant/quant.h"
 #include "../test.h"
 
 #ifdef MOK_WITH_NCCL

@@ -18,7 +18,9 @@
 
 #include <vector>
 
-#include "cuda/launch.h"
+#include "cuda/comm/comm.h"
+#include "cuda/forward/forward.h"
+#include "cuda/quant/quant.h"
 extern "C" {
 #include "cpu/layout.h"
 }

@@ -1,0 +1,86 @@
+/*
+ * api.h: what the front end (src/api/) and the backends share: the handle structs, argument
+ * validation, and the backends' entry points. The contracts that device code compiles too
+ * (context header, quantized-weight layout, error reporting) are in src/common/. Not installed; include/mok.h is the only public header.
+ */
+#ifndef MOK_API_H
+#define MOK_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/context.h"
+#include "common/quantized_layout.h"
+#include "common/status.h"
+#include "mok.h"
+
+#ifdef __cplusplus
+extern "C" { /* the CUDA launchers report errors through mok_fail */
+#endif
+
+struct mok_comm {
+  int device; /* CUDA ordinal, or MOK_DEVICE_CPU */
+  int rank, nranks;
+  void *nccl;    /* ncclComm_t; NULL for a local communicator */
+  int owns_nccl; /* created from a unique id: destroyed with this communicator */
+  void *devcomm; /* NCCL device communicator: exists only where symmetric memory works */
+};
+
+struct mok_layer {
+  mok_comm_t comm;
+  mok_layer_desc_t d;
+  int64_t EL;            /* local experts, E / W */
+  int64_t capacity_rows; /* routed rows (unpadded) this rank can receive */
+  uint64_t id;           /* distinguishes layers in saved contexts */
+  char err[MOK_ERR_LEN]; /* detail of the last failure on this layer */
+  struct mok_gpu_layer *gpu; /* GPU backend state (src/gpu/forward.c); NULL on the CPU */
+};
+
+/* Validation shared by both backends; each returns MOK_SUCCESS or the failure already recorded. */
+mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, const void *y,
+                                   const void *ctx, mok_stream_t stream);
+mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
+                                    const mok_backward_args_t *g, const void *ctx,
+                                    mok_stream_t stream);
+mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_quantized);
+
+/* CPU context after the header (SAVE mode): bf16 g, u of each (token, slot): [T_max * K, I] each,
+ * then the shared expert's gs, us: [T_max, Is] each. RECOMPUTE mode: the header only. */
+size_t mok_cpu_context_bytes(const mok_layer_desc_t *d);
+
+/* ---- backends --------------------------------------------------------------------------------- */
+mokResult_t mok_cpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx);
+mokResult_t mok_cpu_backward(mok_layer_t l, const mok_forward_args_t *a,
+                             const mok_backward_args_t *g, const void *ctx);
+mokResult_t mok_cpu_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *out);
+
+/* GPU backend (src/gpu/forward.c): W = 1, BF16 runs; other GPU layers report
+ * MOK_ERROR_NOT_IMPLEMENTED from forward. create allocates the workspace (src/common/workspace.h). */
+mokResult_t mok_gpu_layer_create(mok_layer_t l);
+void mok_gpu_layer_destroy(mok_layer_t l);
+size_t mok_gpu_workspace_bytes(mok_layer_t l);
+size_t mok_gpu_context_bytes(mok_layer_t l);
+mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
+                            mok_stream_t stream);
+mokResult_t mok_gpu_check(mok_layer_t l);
+/* GPU backward (src/gpu/backward.c), W = 1 BF16 like the forward. */
+mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
+                             const mok_backward_args_t *g, const void *ctx, mok_stream_t stream);
+/* For src/gpu/backward.c: the layer's device workspace (NULL when the layer cannot run), and
+ * the stream of a call, which mok_layer_check then synchronizes with. */
+void *mok_gpu_workspace(mok_layer_t l);
+/* MOK_SUCCESS when the GPU backend runs this layer (W = 1, BF16, workspace held); else the
+ * failure, recorded with `fn` (the public call) in the message. */
+mokResult_t mok_gpu_check_supported(mok_layer_t l, const char *fn);
+void mok_gpu_track_stream(mok_layer_t l, mok_stream_t stream);
+
+/* CUDA helpers (src/gpu/cuda_host.c); without CUDA they report MOK_ERROR_NO_DEVICE. */
+mokResult_t mok_cuda_device_count(int *count);
+/* 1 if p is device (or managed) memory of `device`, 0 otherwise (host or another device). */
+int mok_cuda_ptr_on_device(const void *p, int device);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_API_H */

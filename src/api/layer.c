@@ -1,0 +1,254 @@
+/*
+ * layer.c: the layer handle: descriptor validation, create/destroy, size queries, argument
+ * validation shared by both backends, and the dispatch of forward/backward/quantize to the backend
+ * chosen by the communicator's device (MOK_DEVICE_CPU: the plain-C reference, src/cpu/backend.c;
+ * a GPU: src/gpu/forward.c and src/gpu/backward.c, which run W = 1 BF16 layers; the rest
+ * reports MOK_ERROR_NOT_IMPLEMENTED until it lands).
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/backward/backward.h"
+#include "cuda/forward/forward.h"
+#include "cuda/quant/quant.h"
+#include "api/api.h"
+
+static atomic_uint_fast64_t g_next_layer_id = 1; /* distinguishes layers in saved contexts */
+
+static int is_gpu(mok_layer_t l) { return l->comm->device != MOK_DEVICE_CPU; }
+
+static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
+  if (d->struct_size != sizeof(mok_layer_desc_t) || d->version / 100 != MOK_VERSION_CODE / 100)
+    return mok_fail(NULL, MOK_ERROR_VERSION_MISMATCH,
+                    "descriptor has struct_size %zu and version %d; this library expects %zu and "
+                    "%d: initialize it with MOK_LAYER_DESC_INIT",
+                    d->struct_size, d->version, sizeof(mok_layer_desc_t), MOK_VERSION_CODE);
+  if (d->hidden <= 0 || d->hidden % 128)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "hidden (H) = %lld: must be a positive multiple of 128",
+                    (long long)d->hidden);
+  if (d->intermediate <= 0 || d->intermediate % 128)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "intermediate (I) = %lld: must be a positive multiple of 128",
+                    (long long)d->intermediate);
+  if (d->shared_intermediate < 0 || d->shared_intermediate % 128)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "shared_intermediate (Is) = %lld: must be 0 or a positive multiple of 128",
+                    (long long)d->shared_intermediate);
+  if (d->num_experts < 1 || d->num_experts % W)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "num_experts (E) = %lld: must be a positive multiple of the %d ranks",
+                    (long long)d->num_experts, W);
+  if (d->top_k < 1 || d->top_k > d->num_experts || d->top_k > 64)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "top_k (K) = %lld: must be in [1, min(E = %lld, 64)]",
+                    (long long)d->top_k, (long long)d->num_experts);
+  if (d->max_tokens < 1 || d->max_tokens > (1 << 24))
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "max_tokens (T_max) = %lld: must be in [1, 2^24]",
+                    (long long)d->max_tokens);
+  if ((unsigned)d->precision > MOK_PRECISION_MXFP8)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "precision = %d is not a mok_precision_t",
+                    (int)d->precision);
+  if ((unsigned)d->fp8_scale > MOK_FP8_SCALE_POW2)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "fp8_scale = %d is not a mok_fp8_scale_t",
+                    (int)d->fp8_scale);
+  if ((unsigned)d->wgrad_dtype > MOK_WGRAD_FP32)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "wgrad_dtype = %d is not a mok_wgrad_dtype_t",
+                    (int)d->wgrad_dtype);
+  if (d->wgrad_accumulate != 0 && d->wgrad_accumulate != 1)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "wgrad_accumulate = %d: must be 0 or 1",
+                    d->wgrad_accumulate);
+  if ((unsigned)d->context_mode > MOK_CONTEXT_RECOMPUTE)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "context_mode = %d is not a mok_context_mode_t",
+                    (int)d->context_mode);
+  if (d->comm_sms < 0)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "comm_sms = %d: must be >= 0 (0 = automatic)",
+                    d->comm_sms);
+  if (!(d->capacity_factor >= 0.0 && d->capacity_factor <= (double)W))
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "capacity_factor = %g: must be 0 (automatic) or in (0, W = %d]",
+                    d->capacity_factor, W);
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_desc_t *desc) {
+  if (!out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: out is NULL");
+  *out = NULL;
+  if (!comm) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: comm is NULL");
+  if (!desc) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: desc is NULL");
+  mokResult_t r = check_desc(desc, comm->nranks);
+  if (r != MOK_SUCCESS) return r;
+  mok_layer_t l = calloc(1, sizeof(*l));
+  if (!l) return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_layer_create: calloc");
+  l->comm = comm;
+  l->d = *desc;
+  l->EL = desc->num_experts / comm->nranks;
+  double cf = desc->capacity_factor > 0 ? desc->capacity_factor : (double)comm->nranks;
+  l->capacity_rows = (int64_t)ceil(cf * (double)(desc->max_tokens * desc->top_k));
+  l->id = atomic_fetch_add(&g_next_layer_id, 1);
+  if (is_gpu(l) && (r = mok_gpu_layer_create(l)) != MOK_SUCCESS) {
+    free(l);
+    return r;
+  }
+  *out = l;
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_layer_destroy(mok_layer_t layer) {
+  if (layer && is_gpu(layer)) mok_gpu_layer_destroy(layer);
+  free(layer);
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_layer_check(mok_layer_t layer) {
+  if (!layer) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_check: layer is NULL");
+  /* The CPU backend reports everything synchronously. */
+  return is_gpu(layer) ? mok_gpu_check(layer) : MOK_SUCCESS;
+}
+
+mokResult_t mok_layer_workspace_size(mok_layer_t layer, size_t *bytes) {
+  if (!layer || !bytes)
+    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_workspace_size: NULL argument");
+  *bytes = is_gpu(layer) ? mok_gpu_workspace_bytes(layer) : 0; /* the CPU allocates per call */
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_context_size(mok_layer_t layer, size_t *bytes) {
+  if (!layer || !bytes) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_context_size: NULL argument");
+  *bytes = is_gpu(layer) ? mok_gpu_context_bytes(layer) : mok_cpu_context_bytes(&layer->d);
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_quantized_weights_size(mok_layer_t layer, size_t *bytes) {
+  if (!layer || !bytes)
+    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_quantized_weights_size: NULL argument");
+  mok_qw_layout_t q;
+  mok_qw_layout(&layer->d, layer->EL, &q);
+  *bytes = q.bytes;
+  return MOK_SUCCESS;
+}
+
+/* ---- argument validation ---------------------------------------------------------------------- */
+
+/* A tensor argument: present when required, aligned, and on the layer's device. */
+static mokResult_t check_tensor(mok_layer_t l, const void *p, int required, size_t align,
+                                const char *name) {
+  if (!p) {
+    if (required) return mok_fail(l, MOK_ERROR_NULL_POINTER, "%s is NULL", name);
+    return MOK_SUCCESS;
+  }
+  if ((uintptr_t)p % align)
+    return mok_fail(l, MOK_ERROR_MISALIGNED, "%s = %p must be %zu-byte aligned", name, p, align);
+  if (is_gpu(l) && !mok_cuda_ptr_on_device(p, l->comm->device))
+    return mok_fail(l, MOK_ERROR_WRONG_DEVICE, "%s = %p is not device memory of GPU %d", name, p,
+                    l->comm->device);
+  return MOK_SUCCESS;
+}
+
+#define CHECK_TENSOR(p, req, align, name)                           \
+  do {                                                              \
+    mokResult_t r_ = check_tensor(l, (p), (req), (align), (name)); \
+    if (r_ != MOK_SUCCESS) return r_;                               \
+  } while (0)
+
+mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_quantized) {
+  int shared = l->d.shared_intermediate > 0;
+  if (need_quantized) {
+    CHECK_TENSOR(w->quantized, 1, 16, "weights.quantized (fp8 layers read the buffer filled by mok_quantize_weights)");
+    return MOK_SUCCESS;
+  }
+  CHECK_TENSOR(w->wg, 1, 16, "weights.wg");
+  CHECK_TENSOR(w->wu, 1, 16, "weights.wu");
+  CHECK_TENSOR(w->wd, 1, 16, "weights.wd");
+  CHECK_TENSOR(w->wsg, shared, 16, "weights.wsg");
+  CHECK_TENSOR(w->wsu, shared, 16, "weights.wsu");
+  CHECK_TENSOR(w->wsd, shared, 16, "weights.wsd");
+  return MOK_SUCCESS;
+}
+
+static mokResult_t check_common(mok_layer_t l, const mok_forward_args_t *a, const void *ctx,
+                                mok_stream_t stream) {
+  if (!a) return mok_fail(l, MOK_ERROR_NULL_POINTER, "args is NULL");
+  if (!is_gpu(l) && stream)
+    return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                    "stream must be NULL for a layer on MOK_DEVICE_CPU (it runs synchronously)");
+  if (a->num_tokens < 0 || a->num_tokens > l->d.max_tokens)
+    return mok_fail(l, MOK_ERROR_INVALID_SHAPE, "num_tokens = %lld: must be in [0, max_tokens = %lld]",
+                    (long long)a->num_tokens, (long long)l->d.max_tokens);
+  int any = a->num_tokens > 0;
+  CHECK_TENSOR(a->x, any, 16, "args.x");
+  CHECK_TENSOR(a->topk_idx, any, 4, "args.topk_idx");
+  CHECK_TENSOR(a->topk_w, any, 4, "args.topk_w");
+  CHECK_TENSOR(ctx, 1, 16, "ctx");
+  return mok_check_weights(l, &a->w, l->d.precision != MOK_PRECISION_BF16);
+}
+
+mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, const void *y,
+                                   const void *ctx, mok_stream_t stream) {
+  mokResult_t r = check_common(l, a, ctx, stream);
+  if (r != MOK_SUCCESS) return r;
+  CHECK_TENSOR(y, a->num_tokens > 0, 16, "y");
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
+                                    const mok_backward_args_t *g, const void *ctx,
+                                    mok_stream_t stream) {
+  mokResult_t r = check_common(l, a, ctx, stream);
+  if (r != MOK_SUCCESS) return r;
+  if (!g) return mok_fail(l, MOK_ERROR_NULL_POINTER, "grads is NULL");
+  int any = a->num_tokens > 0, shared = l->d.shared_intermediate > 0;
+  const size_t walign = 16; /* bf16 and fp32 gradients alike: 16-byte vector stores */
+  CHECK_TENSOR(g->dy, any, 16, "grads.dy");
+  CHECK_TENSOR(g->dx, any, 16, "grads.dx");
+  CHECK_TENSOR(g->dtopk_w, any, 4, "grads.dtopk_w");
+  CHECK_TENSOR(g->dwg, 1, walign, "grads.dwg");
+  CHECK_TENSOR(g->dwu, 1, walign, "grads.dwu");
+  CHECK_TENSOR(g->dwd, 1, walign, "grads.dwd");
+  CHECK_TENSOR(g->dwsg, shared, walign, "grads.dwsg");
+  CHECK_TENSOR(g->dwsu, shared, walign, "grads.dwsu");
+  CHECK_TENSOR(g->dwsd, shared, walign, "grads.dwsd");
+  return MOK_SUCCESS;
+}
+
+/* ---- calls ------------------------------------------------------------------------------------ */
+
+mokResult_t mok_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
+                        mok_stream_t stream) {
+  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_forward: layer is NULL");
+  mokResult_t r = mok_check_forward_args(l, a, y, ctx, stream);
+  if (r != MOK_SUCCESS) return r;
+  if (is_gpu(l)) return mok_gpu_forward(l, a, y, ctx, stream);
+  return mok_cpu_forward(l, a, y, ctx);
+}
+
+mokResult_t mok_backward(mok_layer_t l, const mok_forward_args_t *a, const mok_backward_args_t *g,
+                         const void *ctx, mok_stream_t stream) {
+  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_backward: layer is NULL");
+  mokResult_t r = mok_check_backward_args(l, a, g, ctx, stream);
+  if (r != MOK_SUCCESS) return r;
+  if (is_gpu(l)) return mok_gpu_backward(l, a, g, ctx, stream);
+  return mok_cpu_backward(l, a, g, ctx);
+}
+
+mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *out,
+                                 mok_stream_t stream) {
+  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_quantize_weights: layer is NULL");
+  if (!w) return mok_fail(l, MOK_ERROR_NULL_POINTER, "mok_quantize_weights: weights is NULL");
+  if (l->d.precision == MOK_PRECISION_BF16)
+    return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                    "mok_quantize_weights: the layer's precision is BF16; nothing to quantize");
+  if (!is_gpu(l) && stream)
+    return mok_fail(l, MOK_ERROR_INVALID_VALUE, "stream must be NULL for a layer on MOK_DEVICE_CPU");
+  mokResult_t r = mok_check_weights(l, w, 0);
+  if (r != MOK_SUCCESS) return r;
+  r = check_tensor(l, out, 1, 16, "out");
+  if (r != MOK_SUCCESS) return r;
+  if (is_gpu(l)) {
+    r = mok_quantize_weights_gpu(&l->d, l->EL, w, out, stream);
+    return r == MOK_SUCCESS ? r
+                            : mok_fail(l, r, "mok_quantize_weights on GPU %d: %s", l->comm->device,
+                                       mok_last_error());
+  }
+  return mok_cpu_quantize_weights(l, w, out);
+}

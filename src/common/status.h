@@ -1,0 +1,29 @@
+/*
+ * status.h: how every part of the library records a failure (src/api/errors.c): the detail goes
+ * to the calling thread's last error and, when a layer is given, to the layer's. Host code only
+ * (the CUDA launchers call it on the host).
+ */
+#ifndef MOK_COMMON_STATUS_H
+#define MOK_COMMON_STATUS_H
+
+#include "mok.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { MOK_ERR_LEN = 512 };
+
+/* Records a failure: formats the detail into the thread's last error and, when layer is not NULL,
+ * the layer's; returns `code` so callers can write `return mok_fail(l, CODE, "...", ...)`. */
+mokResult_t mok_fail(mok_layer_t layer, mokResult_t code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Propagates code and the detail in `msg` (from a function that wrote into a buffer). */
+mokResult_t mok_fail_msg(mok_layer_t layer, mokResult_t code, const char *msg);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_COMMON_STATUS_H */

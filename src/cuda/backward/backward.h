@@ -1,0 +1,93 @@
+/*
+ * backward.h: the launchers of a GPU layer's backward kernels, around the grouped GEMMs.
+ *
+ * A host/device contract: plain C11 and C++, no CUDA types (streams are void *); every launcher
+ * validates its arguments on the host, returns a mokResult_t, and never synchronizes.
+ */
+#ifndef MOK_CUDA_BACKWARD_H
+#define MOK_CUDA_BACKWARD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "mok.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ============================================================================================== */
+/*
+ * The kernels src/gpu_backward.c chains for mok_backward on one GPU, around the grouped GEMMs:
+ * context check (one CTA) -> gathers of x and dy (mok_fwd_gather_launch) -> [RECOMPUTE: gate/up
+ * GEMMs] -> ds GEMM -> SwiGLU backward -> dxk GEMMs -> shared expert -> dx reduce -> weight
+ * gradients (mok_grouped_wgrad_launch, and wgrad_store for accumulated bf16 gradients). Buffers
+ * are the regions of src/workspace.h; the routing (slot_row, offsets) comes from the context.
+ * No launcher synchronizes or reads device memory on the host.
+ */
+
+/* The per-call state of a backward: what the context check writes and the dx reduce reads. */
+typedef struct {
+  int64_t T, H, E, K;         /* this call's tokens; E = local experts */
+  const int32_t *topk_idx;    /* [T, K] (context check: the routing hash) */
+  /* context (read) */
+  const void *ctx_header;     /* mok_ctx_header_t */
+  const int32_t *ctx_slot_row;/* [T_max, K] */
+  const int32_t *ctx_offsets; /* [E + 1] */
+  uint64_t layer_id;
+  int64_t context_mode;
+  /* workspace */
+  void *err;                  /* mok_ws_error_t */
+  int32_t *status;            /* [1] 1: the context matches, the call computes; 0: it does nothing */
+  int32_t *offsets;           /* [E + 1] ctx_offsets, or all 0 when the context does not match */
+  int32_t *shared_offsets;    /* [2] {0, T}, or {0, 0} */
+  const float *dxk;           /* [R, H] fp32 (dx reduce) */
+  const float *dxs;           /* [T, H] fp32 shared-expert data gradient, NULL when Is = 0 */
+  const float *dw_row;        /* [R] router-weight gradient of each row */
+  /* outputs */
+  void *dx;                   /* [T, H] bf16 */
+  float *dtopk_w;             /* [T, K] */
+} mok_bwd_local_params_t;
+
+/* One CTA: compares the context header with this call (magic, layer id, T, the routing hash of
+ * topk_idx as layout_local.cu computes it, the mode). Match: status = 1, offsets = the context's,
+ * shared_offsets = {0, T}. Mismatch: status = 0, offsets and shared_offsets all 0 (every later
+ * kernel and GEMM of the call finds no rows), and MOK_ERROR_CONTEXT_MISMATCH in the error word. */
+mokResult_t mok_bwd_context_check_launch(const mok_bwd_local_params_t *p, void *stream);
+
+/* dx[t] = bf16( dxs[t] + bf16(dxk[row(t, 0)]) + ... + bf16(dxk[row(t, K-1)]) ), fp32 in slot
+ * order, empty slots skipped (dxs = 0 when NULL); dtopk_w[t, k] = dw_row[row(t, k)], 0 for an
+ * empty slot. Rows from ctx_slot_row. Nothing is written when status is 0. */
+mokResult_t mok_bwd_reduce_launch(const mok_bwd_local_params_t *p, void *stream);
+
+/* The SwiGLU backward of every row in [offsets[0], offsets[G]), one warp per row, from bf16 g, u,
+ * the row's weight w and ds (fp32), with s = silu(g) · u in fp32:
+ *   a = bf16(w · s)   dg = bf16((w · ds) · u · silu'(g))   du = bf16((w · ds) · silu(g))
+ *   dw_row[r] = Σ_i ds_i · s_i in fp32: each lane sums its columns 4 (32 j + lane) + (0..3),
+ *               j = 0, 1, ... with fmaf in that order, then a butterfly over the 32 lanes
+ *               (xor 16, 8, 4, 2, 1). Fixed: bitwise the same run after run.
+ * The products are those of src/cpu/ref_backward.c in its order, without contractions. */
+typedef struct {
+  int64_t num_groups;         /* G */
+  int64_t m_total;            /* rows of every buffer (>= offsets[G]) */
+  int64_t n;                  /* I or Is: a multiple of 128 */
+  const int32_t *offsets;     /* [G + 1] device memory */
+  const void *g, *u;          /* [m_total, n] bf16 */
+  const float *ds;            /* [m_total, n] fp32 */
+  const float *row_w;         /* [m_total] router weight of each row; NULL = 1 (shared expert) */
+  void *a, *dg, *du;          /* [m_total, n] bf16, written */
+  float *dw_row;              /* [m_total] written; NULL: not computed (shared expert) */
+} mok_bwd_swiglu_params_t;
+mokResult_t mok_bwd_swiglu_launch(const mok_bwd_swiglu_params_t *p, void *stream);
+
+/* Stores an fp32 weight gradient g [n] into the caller's bf16 buffer: dst = bf16(g), or
+ * bf16(fp32(dst) + g) when accumulate (src/cpu_backend.c's write_wgrad, bit for bit). n % 8 == 0,
+ * both pointers 16-byte aligned. */
+mokResult_t mok_bwd_wgrad_store_bf16_launch(const float *g, void *dst, int64_t n, int accumulate,
+                                            void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_CUDA_BACKWARD_H */

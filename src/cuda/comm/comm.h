@@ -1,0 +1,203 @@
+/*
+ * comm.h: the expert-parallel transport: NCCL symmetric windows, its layout and dispatch-and-combine kernels.
+ *
+ * A host/device contract: plain C11 and C++, no CUDA types (streams are void *); every launcher
+ * validates its arguments on the host, returns a mokResult_t, and never synchronizes.
+ */
+#ifndef MOK_CUDA_COMM_H
+#define MOK_CUDA_COMM_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "mok.h"
+#include "common/limits.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * The NVLink transport of DESIGN.md section 5, usable on its own: a symmetric window per transport,
+ * a layout kernel (per-(rank, expert) counts all-gathered through the window; every rank derives
+ * the layout of src/cpu/layout.c) and a dispatch-and-combine kernel run by a few communication CTAs.
+ * Everything here is plain C; bench/transport.py calls the mok_transport_* functions through ctypes.
+ */
+
+/* ---- symmetric window (src/cuda/nccl_window.cu: the only file that includes nccl_device.h) ---- */
+
+/* One symmetric allocation registered with an NCCL communicator. peer[r] is rank r's base address
+ * as mapped on this GPU, read once at setup (peer[rank] is NCCL's alias of `local` in its flat
+ * window: the same memory at another address); kernels get these raw pointers. */
+typedef struct {
+  void *local;                    /* this rank's ncclMemAlloc'd bytes */
+  size_t bytes;                   /* rounded up to the allocation granularity */
+  void *window;                   /* ncclWindow_t */
+  void *peer[MOK_MAX_RANKS];   /* [nranks] base addresses, valid on this GPU */
+} mok_nccl_window_t;
+
+/* The NCCL side of a communicator, an opaque pair (ncclComm_t, ncclDevComm). Every function
+ * reports MOK_ERROR_NCCL / MOK_ERROR_CUDA with the library's message, or MOK_ERROR_NOT_AVAILABLE
+ * with the reason (built without NCCL, NCCL too old or too new for the headers, no symmetric
+ * memory, ranks outside one NVLink domain, no peer access). */
+mokResult_t mok_nccl_get_unique_id(void *id, size_t id_bytes);
+mokResult_t mok_nccl_comm_init_rank(void **nccl, const void *id, int rank, int nranks, int device);
+mokResult_t mok_nccl_comm_query(void *nccl, int *rank, int *nranks, int *device);
+mokResult_t mok_nccl_comm_destroy(void *nccl); /* only for communicators MoK created */
+/* Collective over the communicator: every rank calls it. */
+mokResult_t mok_nccl_devcomm_create(void *nccl, void **devcomm);
+void mok_nccl_devcomm_destroy(void *nccl, void *devcomm);
+/* Collective: allocates `bytes` (zeroed) on every rank, registers it as a symmetric window and
+ * fills w->peer (devcomm from mok_nccl_devcomm_create). Detects NCCL's silent fallback to plain
+ * memory. */
+mokResult_t mok_nccl_window_create(void *nccl, void *devcomm, int device, size_t bytes,
+                                   mok_nccl_window_t *w);
+void mok_nccl_window_destroy(void *nccl, mok_nccl_window_t *w);
+
+/* ---- the error word kernels write (device memory, one per transport) -------------------------- */
+
+typedef enum {
+  MOK_TP_WAIT_NONE = 0,
+  MOK_TP_WAIT_LAYOUT = 1,   /* layout flag of a source rank: its counts are in our window */
+  MOK_TP_WAIT_DISPATCH = 2, /* dispatch counter of a source rank: its token rows have landed */
+  MOK_TP_WAIT_COMBINE = 3   /* combine counter of an expert rank: its result rows have landed */
+} mok_tp_counter_t;
+
+/* The first failure a kernel saw; `code` is 0 while there is none. For a timeout: who waited
+ * (rank, sm), for what (counter, peer) and how far it got (value, target). For bad routing:
+ * token, slot and the expert id in a, b, c. */
+typedef struct {
+  int32_t code;          /* mokResult_t */
+  int32_t abort;         /* set with code: other waits of the same launch stop early */
+  int32_t rank, sm, counter, peer;
+  uint64_t value, target;
+  int64_t a, b, c;
+} mok_tp_error_t;
+
+/* ---- transport --------------------------------------------------------------------------------- */
+
+typedef struct mok_transport *mok_transport_t;
+
+typedef struct {
+  int64_t max_tokens;  /* T_max per rank; every rank of the communicator uses the same value */
+  int64_t hidden;      /* H: bf16 elements per row, a multiple of 8 (16-byte rows) */
+  int64_t num_experts; /* E, a multiple of W, at most 1024 */
+  int64_t top_k;       /* K, 1..64 */
+  int64_t tile_m;      /* expert segments are padded to a multiple of this (the GEMM tile height) */
+  int num_sms;         /* CTAs of the dispatch-and-combine kernel; 0 = 20. Fixed for the lifetime */
+  double timeout_s;    /* bound of every wait; 0 = 10 s */
+} mok_transport_desc_t;
+
+/* Phases of mok_transport_run, in this order within a call. */
+enum {
+  MOK_TP_DISPATCH = 1, /* send tokens, wait for every source's tokens */
+  MOK_TP_COMBINE = 2,  /* send f(row) of each received (token, slot) home, wait for every rank */
+  MOK_TP_REDUCE = 4,   /* y = slot-order sum of the rows combined home (local, no waiting) */
+  MOK_TP_ALL = 7
+};
+
+/* Collective over comm's ranks (each calls it with the same desc). */
+mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
+                                 const mok_transport_desc_t *desc);
+mokResult_t mok_transport_destroy(mok_transport_t t); /* collective too */
+mokResult_t mok_transport_set_timeout(mok_transport_t t, double seconds);
+/* Layout of this call's routing, topk_idx [T, K] int32 in device memory (NULL when T = 0).
+ * Every rank calls it once per routing before mok_transport_run. */
+mokResult_t mok_transport_layout(mok_transport_t t, int64_t num_tokens, const int32_t *topk_idx,
+                                 void *stream);
+/* Dispatch x [T, H] bf16 to the other ranks (MOK_TP_DISPATCH), combine the expert rows home
+ * (MOK_TP_COMBINE) and sum them into y [T, H] bf16 (MOK_TP_REDUCE): y[t] = bf16(sum over k in
+ * slot order of f(x[t], e_k)), where the stand-in expert f(row, e) = bf16(row * (e % 4 + 1)) runs
+ * on the expert's rank. Only rows that change rank move; the sum computes the rows of the token's
+ * own rank's experts from x. A call is MOK_TP_ALL; every rank runs the same phases in the same
+ * order, and topk_idx of the layout and x must stay valid until the call's REDUCE ran. Calls of
+ * single phases exist for benchmarks: repeated DISPATCH-only or COMBINE-only calls are race-free,
+ * a REDUCE-only call sums what the last COMBINE brought home (x is read again). */
+mokResult_t mok_transport_run(mok_transport_t t, int phases, const void *x, void *y, void *stream);
+/* Synchronizes with the last stream used and reports a kernel error (clearing it): the detail
+ * names rank, SM, counter, value and target. A timeout leaves the transport unusable (every
+ * later call returns MOK_ERROR_TIMEOUT); destroy it and create another. */
+mokResult_t mok_transport_check(mok_transport_t t);
+
+/* Device buffers of the last layout and run, for tests (shapes per rank, W ranks). */
+typedef struct {
+  int64_t num_tokens;        /* T of the last layout call */
+  int64_t recv_capacity;     /* rows of recv_x: W * T_max */
+  const int32_t *slot_row;   /* [T_max, K] row of (token, slot) in its expert's rank, -1 empty */
+  const int32_t *token_pos;  /* [T_max, W] position in rank d's receive buffer, -1 when none */
+  const int32_t *count;      /* [W, E] rows from source s to expert e */
+  const int32_t *expert_start; /* [E] first row of expert e in its rank's row buffer */
+  const int32_t *rank_rows;  /* [W] padded rows per rank */
+  const int32_t *recv_tokens; /* [W] tokens each rank receives */
+  const int32_t *token_count; /* [W, W] tokens source s sends to rank d (own tokens included) */
+  const void *recv_x;        /* [recv_capacity, H] bf16 tokens received, (source, token) order;
+                                this rank's own block is not written */
+  const int32_t *recv_meta;  /* [recv_capacity, K + 1]: source token, then row of each slot on
+                                this rank (-1 for slots elsewhere) */
+  const void *comb;          /* [T_max, K, H] bf16 rows combined back to this rank (slots whose
+                                expert is on another rank) */
+} mok_transport_view_t;
+mokResult_t mok_transport_view(mok_transport_t t, mok_transport_view_t *v);
+
+/* ---- kernel parameters and launchers (src/cuda/transport.cu), filled by src/transport.c ------ */
+
+/* Byte offsets of the regions of one transport's symmetric window; identical on every rank. */
+typedef struct {
+  size_t flags;     /* [2, W] u64 layout flags, by call parity and source rank */
+  size_t disp_ctr;  /* [W] u64 dispatch counters, by source rank */
+  size_t comb_ctr;  /* [W] u64 combine counters, by expert rank */
+  size_t slots;     /* [2, W, slot_ints] int32 all-gathered counts, by parity and source rank */
+  size_t recv_x;    /* [W * T_max, H] bf16 received tokens */
+  size_t recv_meta; /* [W * T_max, K + 1] int32 */
+  size_t comb;      /* [T_max, K, H] bf16 combined rows */
+  size_t bytes;
+  int64_t slot_ints; /* E + W + 4 per source: counts per expert, tokens per destination, header */
+} mok_tp_window_layout_t;
+
+/* Device-resident layout outputs of this rank (ordinary device memory, one allocation). */
+typedef struct {
+  int32_t *slot_row;     /* [T_max, K] */
+  int32_t *token_pos;    /* [T_max, W] */
+  int32_t *count;        /* [W, E] */
+  int32_t *token_count;  /* [W, W] */
+  int32_t *expert_start; /* [E] */
+  int32_t *rank_rows;    /* [W] */
+  int32_t *recv_tokens;  /* [W] */
+  int32_t *num_ctas;     /* [W] dispatch-and-combine CTAs of each rank (targets of counters) */
+  int32_t *valid;        /* [1] 1 when every rank's routing and sizes were valid */
+  uint32_t *claim;       /* [4] work-item counters: dispatch, combine, by the call's parity */
+} mok_tp_layout_buf_t;
+
+typedef struct {
+  int rank, nranks;
+  int num_ctas;               /* CTAs of the dispatch-and-combine kernel on this rank */
+  int64_t T, T_max, H, E, EL, K, tile_m;
+  uint64_t layout_epoch;      /* calls of each kind so far, this one included (1, 2, ...): */
+  uint64_t disp_epoch;        /* counters are never cleared; a wait's target is epoch * CTAs */
+  uint64_t comb_epoch;
+  uint64_t timeout_ns;
+  char *peer[MOK_MAX_RANKS]; /* window base of each rank, as mapped here */
+  mok_tp_window_layout_t win;
+  mok_tp_layout_buf_t lay;
+  mok_tp_error_t *err;
+  const int32_t *topk_idx;    /* [T, K] (layout) */
+  const void *x;              /* [T, H] bf16 (dispatch) */
+  void *y;                    /* [T, H] bf16 (combine) */
+  int phases;                 /* MOK_TP_DISPATCH | MOK_TP_COMBINE | MOK_TP_REDUCE (run) */
+} mok_tp_params_t;
+
+mokResult_t mok_tp_layout_launch(const mok_tp_params_t *p, void *stream);
+/* Shared memory the layout kernel needs for E experts and W ranks (its one CTA). */
+size_t mok_tp_layout_smem_bytes(int64_t num_experts, int nranks);
+mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream);
+
+/* Remote bytes (crossing NVLink) this rank sent in the last layout's dispatch and combine. */
+mokResult_t mok_transport_remote_bytes(mok_transport_t t, int64_t *dispatch_bytes,
+                                       int64_t *combine_bytes);
+
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_CUDA_COMM_H */

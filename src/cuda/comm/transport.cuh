@@ -1,0 +1,441 @@
+/*
+ * transport.cuh: device functions of the NVLink transport, for communication CTAs: system-scope
+ * flags and counters, bounded waits that report who waited for what, token dispatch to the other
+ * ranks that hold a token's experts, and the combine that sends expert rows back to their home
+ * rank and sums them in slot order. Only rows that change rank move: a token's row for its own
+ * rank's experts, and those experts' result rows, stay where they are (the sum reads them there).
+ * The standalone kernel in transport.cu strings them together; the persistent kernel will call
+ * the same functions from its communication CTAs.
+ *
+ * Everything here sees raw peer pointers (mok_tp_params_t::peer, read once at setup by
+ * nccl_window.cu) and our own counters; no NCCL device code.
+ *
+ * Counters never get cleared. Each CTA of a sender adds 1 to a counter per call, so after call
+ * number `epoch` the receiver waits for epoch * (sender's CTAs); the host counts calls. (The
+ * work-item counters, in ordinary device memory, are zeroed one call ahead: tp_claim.)
+ *
+ * Window regions (mok_tp_window_layout_t, same offsets on every rank):
+ *   disp_ctr  [W] u64             dispatch counters, by source rank
+ *   comb_ctr  [W] u64             combine counters, by expert rank
+ *   recv_x    [W * T_max, H] bf16 tokens received, in (source rank, token) order; the block of
+ *                                 this rank's own tokens is left unwritten
+ *   recv_meta [W * T_max, K + 1]  source token index, then this rank's row of each slot or -1
+ *                                 (same blocks as recv_x)
+ *   comb      [T_max, K, H] bf16  expert rows of this rank's tokens from other ranks' experts,
+ *                                 by (token, slot)
+ *
+ * Measured on two H200s (bench/NOTES.md v12): 16-byte stores from registers into the peer's
+ * window carry ~345 GB/s per direction once the local rows stay out of the stream; pulling rows
+ * (loads from the peer, the sum fused) carried ~325.
+ */
+#ifndef MOK_CUDA_TRANSPORT_CUH
+#define MOK_CUDA_TRANSPORT_CUH
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "cuda/comm/comm.h"
+#include "cuda/ptx/ptx.cuh"
+
+#define TP_THREADS 512 /* threads of a communication CTA */
+#define TP_UNROLL 8    /* 16-byte chunks in flight per lane: 16 warps x 4 KB = 64 KB per SM */
+
+static_assert(TP_THREADS % 32 == 0 && TP_THREADS <= 1024, "whole warps");
+static_assert(MOK_MAX_RANKS <= 32, "one lane per rank in the waits");
+
+/* ---------------------------------------------------------------------------------------------- */
+/* PTX: 16-byte accesses and the SM id (system-scope counters and the timer are in ptx.cuh)       */
+/* ---------------------------------------------------------------------------------------------- */
+
+__device__ __forceinline__ int tp_smid(void) {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return (int)r;
+}
+
+// Inputs of this rank that nobody writes during the launch: the read-only path.
+__device__ __forceinline__ uint4 tp_ld_input_v4(const void *p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// NOTE: data other GPUs wrote during this launch is read at L2 (.cg), after an acquire of the
+// counter that published it; L1 is not coherent with peer writes.
+__device__ __forceinline__ uint4 tp_ld_peer_v4(const void *p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// tp_ld_peer_v4 when `pred`, else zeros: straight-line code, so a batch of these stays a batch.
+__device__ __forceinline__ uint4 tp_ld_peer_v4_if(const void *p, int pred) {
+  uint4 v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\t"
+      "setp.ne.b32 q, %5, 0;\n\t"
+      "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+      "@q ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(pred)
+      : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t tp_ld_peer_i32(const int32_t *p) {
+  int32_t v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void tp_st_v4(void *p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Errors and bounded waits                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Records the first failure of the launch; later ones are dropped. `fatal` also raises `abort`,
+// which makes every other wait of the launch give up at its next poll.
+__device__ __forceinline__ void tp_record_error(mok_tp_error_t *err, int code, int fatal, int rank,
+                                                int counter, int peer, uint64_t value,
+                                                uint64_t target, int64_t a, int64_t b,
+                                                int64_t c) {
+  if (atomicCAS(&err->code, 0, code) == 0) {
+    err->rank = rank;
+    err->sm = tp_smid();
+    err->counter = counter;
+    err->peer = peer;
+    err->value = value;
+    err->target = target;
+    err->a = a;
+    err->b = b;
+    err->c = c;
+  }
+  if (fatal) atomicExch(&err->abort, 1);
+}
+
+// One thread waits until *ctr >= target (acquire, system scope). On timeout it records
+// {rank, sm, counter, peer, value, target} and returns 0; it also returns 0, silently, once
+// another wait of the launch has failed.
+__device__ __noinline__ int tp_wait_geq(const uint64_t *ctr, uint64_t target,
+                                        const mok_tp_params_t &p, int counter, int peer) {
+  uint64_t v = ptx_ld_acquire_sys_u64(ctr);
+  if (v >= target) return 1;
+  const uint64_t t0 = ptx_globaltimer_ns();
+  for (uint32_t i = 1;; i++) {
+    v = ptx_ld_acquire_sys_u64(ctr);
+    if (v >= target) return 1;
+    if ((i & 63) == 0) {
+      if (*(volatile int32_t *)&p.err->abort) return 0;
+      if (ptx_globaltimer_ns() - t0 > p.timeout_ns) {
+        tp_record_error(p.err, MOK_ERROR_TIMEOUT, 1, p.rank, counter, peer, v, target, 0, 0, 0);
+        return 0;
+      }
+    }
+  }
+}
+
+// The whole CTA waits for counters[s] >= epoch * ctas[s] for every rank s (lane s of warp 0
+// polls rank s). Returns 0 in every thread when any wait failed. Call from all threads.
+__device__ __forceinline__ int tp_cta_wait_ranks(const uint64_t *counters, uint64_t epoch,
+                                                 const mok_tp_params_t &p, int counter) {
+  int ok = 1;
+  if (threadIdx.x < (unsigned)p.nranks) {
+    const int s = threadIdx.x;
+    ok = tp_wait_geq(counters + s, epoch * (uint64_t)p.lay.num_ctas[s], p, counter, s);
+  }
+  return __syncthreads_and(ok);
+}
+
+// Publishes everything this CTA wrote, then adds 1 to counter `me` in every rank's window.
+// NOTE: bar.sync orders the other threads' stores before thread 0's fence and release, and the
+// release is cumulative at system scope: data before flag, for every peer.
+__device__ __forceinline__ void tp_cta_signal_ranks(const mok_tp_params_t &p, size_t region) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int d = 0; d < p.nranks; d++)
+      ptx_red_release_sys_add_u64((uint64_t *)(p.peer[d] + region) + p.rank, 1);
+  }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Row arithmetic                                                                                  */
+/* ---------------------------------------------------------------------------------------------- */
+
+// The stand-in expert of the standalone kernel: f(row, e) = bf16(row * (e % 4 + 1)), exact for
+// the tests' payloads, so a misplaced row or a wrong expert is visible bit for bit.
+__device__ __forceinline__ float tp_expert_scale(int e) { return (float)(e % 4 + 1); }
+
+// Two floats to a bf16 pair (round to nearest even), low half first.
+__device__ __forceinline__ uint32_t tp_pack_bf16x2(float lo, float hi) {
+  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+         ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+
+__device__ __forceinline__ float tp_bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float tp_bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ uint32_t tp_scale_bf16x2(uint32_t v, float s) {
+  return tp_pack_bf16x2(tp_bf16_lo(v) * s, tp_bf16_hi(v) * s);
+}
+
+__device__ __forceinline__ uint4 tp_scale_v4(uint4 v, float s) {
+  return make_uint4(tp_scale_bf16x2(v.x, s), tp_scale_bf16x2(v.y, s), tp_scale_bf16x2(v.z, s),
+                    tp_scale_bf16x2(v.w, s));
+}
+
+__device__ __forceinline__ void tp_acc_bf16x2(float &a, float &b, uint32_t v) {
+  a += tp_bf16_lo(v);
+  b += tp_bf16_hi(v);
+}
+
+// The sum's tokens go to warps round-robin over the whole grid.
+__device__ __forceinline__ int64_t tp_grid_warp(void) {
+  return (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+}
+__device__ __forceinline__ int64_t tp_grid_warps(void) {
+  return (int64_t)gridDim.x * (blockDim.x >> 5);
+}
+
+// The items that cross NVLink (dispatch's tokens, the combine's received tokens) are claimed one at
+// a time from a counter by whichever warp is free (lane 0 adds 1; the claim for the next item is
+// made while the current one moves). A warp moves an 8 KB row at a few GB/s (latency-bound), so a
+// static split that leaves some warps one item behind costs microseconds at the end of each call:
+// claiming took dispatch from 321-329 to 342-354 GB/s (bench/NOTES.md v13). Consecutive items
+// still land on different SMs, so every SM mixes destinations. The counters are used by the
+// parity of the call (epoch) and each call zeroes the next call's (tp_claims_reset_next), so
+// nothing clears them between calls, and a call that failed half-way leaves its successor clean.
+enum { TP_CLAIM_DISPATCH = 0, TP_CLAIM_COMBINE = 2 };  // p.lay.claim[kind + epoch % 2]
+__device__ __forceinline__ int64_t tp_claim(uint32_t *ctr, int lane) {
+  return lane == 0 ? (int64_t)atomicAdd(ctr, 1u) : 0;
+}
+__device__ __forceinline__ void tp_claims_reset_next(const mok_tp_params_t &p, int kind,
+                                                     uint64_t epoch) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.lay.claim[kind + ((epoch + 1) & 1)] = 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Dispatch                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Sends the tokens: token t goes, once, to every other rank d with token_pos[t, d] >= 0 (any of
+// its slots routes there): x[t] to recv_x[pos] and {t, rows of its slots on d} to recv_meta[pos]
+// in d's window. A token's own rank gets nothing: its rows stay in x, where the sum and (in the
+// persistent kernel) the GEMMs read them, and its block of recv_x stays unwritten. A warp per
+// token (whole rows: splitting rows into 2 KB items dealt to different warps was slower, v12).
+__device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
+  const int lane = threadIdx.x & 31;
+  const int W = p.nranks;
+  const int64_t K = p.K, H = p.H, chunks = H / 8;  // 16-byte chunks per row
+  const int64_t meta_ints = K + 1;
+  uint32_t *claim = p.lay.claim + TP_CLAIM_DISPATCH + (p.disp_epoch & 1);
+  for (int64_t nx = tp_claim(claim, lane), t = __shfl_sync(0xffffffffu, nx, 0); t < p.T;
+       t = __shfl_sync(0xffffffffu, nx, 0)) {
+    nx = tp_claim(claim, lane);
+    // Everything the token needs is loaded at once, so its row loads wait on one round trip, not
+    // three: lane d the token's position on rank d, lane j in [1, K] slot j - 1's row and expert.
+    const int32_t pos = (lane < W && lane != p.rank) ? p.lay.token_pos[t * W + lane] : -1;
+    int32_t mrow = -1, mexp = -1;
+    if (lane >= 1 && lane <= K) {
+      mrow = p.lay.slot_row[t * K + lane - 1];
+      mexp = p.topk_idx[t * K + lane - 1];
+    }
+    const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
+    if (dmask == 0) continue;
+    const char *src = (const char *)p.x + t * H * 2;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
+      uint4 v[TP_UNROLL];
+#pragma unroll
+      for (int u = 0; u < TP_UNROLL; u++) {
+        const int64_t c = c0 + u * 32 + lane;
+        if (c < chunks) v[u] = tp_ld_input_v4(src + c * 16);
+      }
+      if (c0 == 0) {
+        // Meta (K + 1 ints per rank: the token, then its slots' rows on that rank or -1) while
+        // the row's loads are on their way.
+        for (uint32_t m = dmask; m; m &= m - 1) {
+          const int d = __ffs(m) - 1;
+          const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
+          int32_t *meta = (int32_t *)(p.peer[d] + p.win.recv_meta) + (int64_t)pd * meta_ints;
+          if (lane < meta_ints)
+            meta[lane] = lane == 0 ? (int32_t)t : (mrow >= 0 && mexp / p.EL == d ? mrow : -1);
+          for (int64_t j = 32 + lane; j < meta_ints; j += 32) {  // K > 31
+            const int32_t row = p.lay.slot_row[t * K + j - 1];
+            const int32_t e = p.topk_idx[t * K + j - 1];
+            meta[j] = (row >= 0 && e / p.EL == d) ? row : -1;
+          }
+        }
+      }
+      for (uint32_t m = dmask; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
+        char *dst = p.peer[d] + p.win.recv_x + (int64_t)pd * H * 2;
+#pragma unroll
+        for (int u = 0; u < TP_UNROLL; u++) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) tp_st_v4(dst + c * 16, v[u]);
+        }
+      }
+    }
+  }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Combine                                                                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+// The local expert that owns `row` of this rank's row buffer: the last local expert whose
+// segment starts at or before it (empty experts start where the next one does, so the last one
+// wins). start: [EL] segment starts of this rank's experts, in shared memory.
+__device__ __forceinline__ int tp_local_expert_of_row(const int32_t *start, int EL, int32_t row) {
+  int lo = 0, hi = EL - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (start[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Sends the rows of the other ranks' tokens home: for received token q (from rank s != this
+// rank, token t there) and every slot k whose expert is on this rank, f(recv_x[q], e_k) goes to
+// comb[t, k] in s's window. Rows of this rank's own tokens are home already: the sum reads them
+// where they are. A warp per received token: a chunk of its row is loaded once and stored once
+// per slot. src_start: [W + 1] first received position of each source rank; estart: [EL] this
+// rank's segment starts (shared memory, filled by the caller). Needs the dispatch counters
+// waited for.
+__device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
+                                                const int32_t *estart) {
+  const int lane = threadIdx.x & 31;
+  const int W = p.nranks;
+  const int64_t K = p.K, H = p.H, chunks = H / 8;
+  const char *my_win = p.peer[p.rank];
+  const int32_t *meta_all = (const int32_t *)(my_win + p.win.recv_meta);
+  // The other sources' positions: [0, own0) and [own1, end).
+  const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
+  const int64_t items = src_start[W] - (own1 - own0);
+  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (p.comb_epoch & 1);
+  for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
+       i = __shfl_sync(0xffffffffu, nx, 0)) {
+    nx = tp_claim(claim, lane);
+    const int64_t q = i < own0 ? i : i + (own1 - own0);
+    int s = 0;
+    while (s + 1 < W && src_start[s + 1] <= q) s++;
+    const int32_t *meta = meta_all + q * (K + 1);
+    const int32_t t = tp_ld_peer_i32(meta);
+    const char *src = my_win + p.win.recv_x + q * H * 2;
+    char *dst_tok = p.peer[s] + p.win.comb + (int64_t)t * K * H * 2;
+    // Slots in groups of 32: lane k holds slot (k0 + k)'s row and scale.
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      int32_t row = -1;
+      if (k0 + lane < K) row = tp_ld_peer_i32(meta + 1 + k0 + lane);
+      const uint32_t kmask = __ballot_sync(0xffffffffu, row >= 0);
+      if (kmask == 0) continue;
+      float scale = 0.f;
+      if (row >= 0) {
+        const int el = tp_local_expert_of_row(estart, (int)p.EL, row);
+        scale = tp_expert_scale((int)(p.rank * p.EL + el));
+      }
+      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
+        uint4 v[TP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < TP_UNROLL; u++) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) v[u] = tp_ld_peer_v4(src + c * 16);
+        }
+        for (uint32_t m = kmask; m; m &= m - 1) {
+          const int k = __ffs(m) - 1;
+          const float sk = __shfl_sync(0xffffffffu, scale, k);
+          char *dst = dst_tok + (k0 + k) * H * 2;
+#pragma unroll
+          for (int u = 0; u < TP_UNROLL; u++) {
+            const int64_t c = c0 + u * 32 + lane;
+            if (c < chunks) tp_st_v4(dst + c * 16, tp_scale_v4(v[u], sk));
+          }
+        }
+      }
+    }
+  }
+}
+
+// y[t] = bf16(sum over k in slot order of the slot's row), skipping empty slots (fp32 sum,
+// DESIGN.md section 2): comb[t, k] for a slot whose expert is on another rank, and for one on
+// this rank the stand-in expert's row computed here, f(x[t], e_k) (that row never left home).
+// slots / scales: [TP_THREADS / 32, K] shared memory per warp. Needs the combine counters
+// waited for.
+__device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, const char **slots,
+                                                  float *scales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t K = p.K, H = p.H, chunks = H / 8;
+  const char *comb = p.peer[p.rank] + p.win.comb;
+  const char **src = slots + (threadIdx.x >> 5) * K;
+  float *scl = scales + (threadIdx.x >> 5) * K;
+  for (int64_t t = tp_grid_warp(); t < p.T; t += tp_grid_warps()) {
+    // The used slots in slot order, packed to the front: a remote slot's comb row (scale 0) or a
+    // local slot's scale (row NULL). NOTE: the loads test the row and the sums the scale; testing
+    // the scale in the loads too (one marker) added a shared-memory read ahead of every load and
+    // made this latency-bound loop ~10% slower (bench/NOTES.md v13).
+    int n = 0, any_local = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      const int64_t k = k0 + lane;
+      int used = 0, local = 0;
+      int32_t e = -1;
+      if (k < K && p.lay.slot_row[t * K + k] >= 0) {
+        used = 1;
+        e = p.topk_idx[t * K + k];
+        local = e / p.EL == p.rank;
+      }
+      const uint32_t um = __ballot_sync(0xffffffffu, used);
+      any_local |= __ballot_sync(0xffffffffu, local) != 0;
+      if (used) {
+        const int j = n + __popc(um & ((1u << lane) - 1u));
+        src[j] = local ? NULL : comb + (t * K + k) * H * 2;
+        scl[j] = local ? tp_expert_scale(e) : 0.f;
+      }
+      n += __popc(um);
+    }
+    __syncwarp();
+    const char *xrow = (const char *)p.x + t * H * 2;
+    char *dst = (char *)p.y + t * H * 2;
+    for (int64_t c = lane; c < chunks; c += 32) {
+      float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      const uint4 xv = any_local ? tp_ld_input_v4(xrow + c * 16) : make_uint4(0, 0, 0, 0);
+      for (int j0 = 0; j0 < n; j0 += 8) {
+        // Up to 8 comb loads back to back (one at a time, a warp here is bound by latency): a
+        // slot past the last or a local one reads as zeros, without a branch between the loads.
+        uint4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const int used = j0 + j < n;
+          const char *r = src[used ? j0 + j : 0];
+          v[j] = tp_ld_peer_v4_if(r + c * 16, used && r != NULL);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          if (j0 + j >= n) break;
+          const float sk = scl[j0 + j];
+          const uint4 w = sk != 0.f ? tp_scale_v4(xv, sk) : v[j];
+          tp_acc_bf16x2(a[0], a[1], w.x);
+          tp_acc_bf16x2(a[2], a[3], w.y);
+          tp_acc_bf16x2(a[4], a[5], w.z);
+          tp_acc_bf16x2(a[6], a[7], w.w);
+        }
+      }
+      tp_st_v4(dst + c * 16, make_uint4(tp_pack_bf16x2(a[0], a[1]), tp_pack_bf16x2(a[2], a[3]),
+                                        tp_pack_bf16x2(a[4], a[5]), tp_pack_bf16x2(a[6], a[7])));
+    }
+    __syncwarp();  // src and scl are rewritten for the next token
+  }
+}
+
+#endif /* MOK_CUDA_TRANSPORT_CUH */

@@ -1,0 +1,140 @@
+/*
+ * gemm.h: the grouped GEMM and the weight-gradient (k-grouped) GEMM launchers.
+ *
+ * A host/device contract: plain C11 and C++, no CUDA types (streams are void *); every launcher
+ * validates its arguments on the host, returns a mokResult_t, and never synchronizes.
+ */
+#ifndef MOK_CUDA_GEMM_H
+#define MOK_CUDA_GEMM_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "mok.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Operand precision. */
+typedef enum {
+  MOK_GG_BF16 = 0,      /* bf16 A and B, fp32 accumulation */
+  MOK_GG_FP8_BLOCK = 1  /* e4m3 A (1x128 scales) and B (128x128 scales), fp32 promotion every
+                           128 reduction elements; K % 128 == 0, N % 128 == 0, B K-major, no
+                           SwiGLU yet */
+} mok_gg_dtype_t;
+
+/* Memory layout of B per group. */
+typedef enum {
+  MOK_GG_B_KMAJOR = 0,  /* B [G, N, K]: PyTorch Linear layout, K contiguous */
+  MOK_GG_B_NMAJOR = 1   /* B [G, K, N]: N contiguous (backward: dy·Wd, dgu·[Wg; Wu]); needs
+                           K % 64 == 0; not with SwiGLU */
+} mok_gg_layout_t;
+
+/* What the epilogue does with the fp32 tile acc = A[rows] · B[g]ᵀ. */
+typedef enum {
+  MOK_GG_EPI_STORE_BF16 = 0, /* c [M_total, N] bf16  = bf16(acc) */
+  MOK_GG_EPI_STORE_F32 = 1,  /* c [M_total, N] fp32  = acc */
+  MOK_GG_EPI_ACCUM_F32 = 2,  /* c [M_total, N] fp32 += acc */
+  MOK_GG_EPI_SWIGLU = 3      /* b = gate [G, N, K], b2 = up [G, N, K]; c [M_total, N] bf16 =
+                                bf16(row_scale[r] · silu(g) · u) with fp32 g, u; optionally
+                                g_out, u_out [M_total, N] bf16 = bf16(g), bf16(u) */
+} mok_gg_epilogue_t;
+
+/* C[rows of g] = epilogue(A[rows of g] · B[g]ᵀ) for every group g, where the rows of group g are
+ * [offsets[g], offsets[g+1]) of A and C. `offsets` lives in device memory (G+1 entries, int32 or
+ * int64, non-decreasing, offsets[G] <= m_total) and is never read by the host: rows outside every
+ * group are neither read into a result nor written. Results are bitwise deterministic. */
+typedef struct {
+  mok_gg_dtype_t dtype;
+  mok_gg_layout_t b_layout;
+  mok_gg_epilogue_t epilogue;
+  int offsets_int64;         /* 0: offsets are int32, 1: int64 */
+  int64_t num_groups;        /* G, 1..2^20 */
+  int64_t m_total;           /* rows of A and C (>= offsets[G]) */
+  int64_t n;                 /* N: columns of C per group (SwiGLU: I) */
+  int64_t k;                 /* K: reduction length */
+  const void *a;             /* [m_total, K] bf16 (fp8-block: e4m3), 16-byte aligned */
+  const void *b;             /* [G, N, K] bf16 (or [G, K, N] with MOK_GG_B_NMAJOR), 16-byte
+                                aligned (SwiGLU: gate weights) */
+  const void *b2;            /* SwiGLU only: up weights [G, N, K] bf16 */
+  const void *offsets;       /* [G + 1] int32 or int64, device memory */
+  void *c;                   /* [m_total, N] bf16 or fp32 (see epilogue), 16-byte aligned */
+  const float *row_scale;    /* SwiGLU only: [m_total] fp32 router weight per row; NULL = 1 */
+  void *g_out, *u_out;       /* SwiGLU only, optional: [m_total, N] bf16 */
+  int num_sms;               /* CTAs of the persistent grid; 0 = one per SM (as many as can be
+                                resident at once); else taken as given (rounded to the cluster) */
+  const float *a_scale;      /* fp8-block: scale of A[r, 128 kb ..], fp32, [m_total, K/128]
+                                (a_scale_ld = 0) or [K/128, a_scale_ld] (a_scale_ld > 0) */
+  const float *b_scale;      /* fp8-block: [G, N/128, K/128] fp32, 128x128 blocks of B[g] */
+  int64_t a_scale_ld;        /* fp8-block: 0, or the row stride of a_scale stored K-block major
+                                (>= m_total, a multiple of 4; a_scale 16-byte aligned): each K
+                                block's row scales are then contiguous, and the kernel loads a
+                                tile's with the tile's operands (faster) */
+} mok_grouped_gemm_params_t;
+
+/* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,
+ * MOK_ERROR_MISALIGNED, MOK_ERROR_NOT_IMPLEMENTED) and enqueues the kernel on `stream` (a
+ * cudaStream_t; NULL = the legacy default stream). MOK_ERROR_CUDA when the launch fails, and
+ * MOK_ERROR_NO_DEVICE without a usable device. Shape rules: K % 8 == 0 and N % 8 == 0 (16-byte
+ * row strides for TMA); SwiGLU also needs b2. */
+mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *stream);
+
+/* Row tiles per band of a grouped GEMM's tile order (tile_scheduler.cuh, src/task_plan.h), for
+ * groups whose B (weights) takes b_bytes: 8 when that is over a sixth of the device's L2 cache,
+ * so that the tiles that share a B tile are taken together (else B comes from HBM up to twice:
+ * less HBM traffic, less power, a higher clock at the power limit); else 0, row tile by row tile,
+ * which measured as fast for small B (bench/NOTES.md, v11, v16, v22). MOK_TILE_GROUP=n sets n
+ * (0: off). */
+int mok_tile_group_m(int64_t b_bytes);
+
+/* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
+ * (pointers, int32 offsets, one CTA per SM): the callers fill in their tensors. */
+static inline mok_grouped_gemm_params_t mok_gg_bf16_params(mok_gg_epilogue_t epi,
+                                                           mok_gg_layout_t b_layout, int64_t groups,
+                                                           int64_t m, int64_t n, int64_t k) {
+  mok_grouped_gemm_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.dtype = MOK_GG_BF16;
+  p.b_layout = b_layout;
+  p.epilogue = epi;
+  p.num_groups = groups;
+  p.m_total = m;
+  p.n = n;
+  p.k = k;
+  return p;
+}
+
+/* Weight-gradient ("k-grouped") GEMM, src/cuda/grouped_wgrad.cu: the groups split the reduction.
+ *   C[g] [N, K] = epilogue( A_gᵀ · B_g ) = epilogue( Σ_{r in group g} A[r]ᵀ ⊗ B[r] )
+ * for every group g, rows of g = [offsets[g], offsets[g+1]) of A and B (offsets in device memory,
+ * as above, never read by the host). Example: dWd[e] [H, I] = dy_gᵀ · a_g (a = dy [R, H],
+ * b = a [R, I]); dWg[e] [I, H] = dg_gᵀ · x_g. fp32 accumulation over the rows of a group in row
+ * order, one CTA per output tile, no atomics: bitwise deterministic, whatever num_sms. Epilogues:
+ * MOK_GG_EPI_STORE_BF16 (c bf16), MOK_GG_EPI_STORE_F32, MOK_GG_EPI_ACCUM_F32 (c fp32 += result);
+ * an empty group stores zeros, or leaves C[g] untouched when accumulating. */
+typedef struct {
+  mok_gg_epilogue_t epilogue; /* STORE_BF16, STORE_F32 or ACCUM_F32 (SwiGLU: not implemented) */
+  int offsets_int64;          /* 0: offsets are int32, 1: int64 */
+  int64_t num_groups;         /* G, 1..2^20 */
+  int64_t m_total;            /* rows of A and B (>= offsets[G]); 0 is allowed */
+  int64_t n;                  /* N: columns of A = rows of each C[g], N % 8 == 0 */
+  int64_t k;                  /* K: columns of B = columns of each C[g], K % 8 == 0 */
+  const void *a;              /* [m_total, N] bf16, 16-byte aligned */
+  const void *b;              /* [m_total, K] bf16, 16-byte aligned */
+  const void *offsets;        /* [G + 1] int32 or int64, device memory */
+  void *c;                    /* [G, N, K] bf16 or fp32 (see epilogue), 16-byte aligned */
+  int num_sms;                /* CTAs of the persistent grid; 0 = one per SM */
+} mok_grouped_wgrad_params_t;
+
+/* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,
+ * MOK_ERROR_MISALIGNED, MOK_ERROR_NOT_IMPLEMENTED) and enqueues the kernel on `stream`;
+ * MOK_ERROR_CUDA when the launch fails, MOK_ERROR_NO_DEVICE without a usable device. */
+mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t *p, void *stream);
+
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_CUDA_GEMM_H */

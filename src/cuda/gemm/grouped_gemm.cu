@@ -1,0 +1,523 @@
+/*
+ * grouped_gemm.cu: the standalone persistent grouped GEMM (tests and benchmarks) and its C launcher.
+ *
+ *   C[rows of g, :] = epilogue( A[rows of g, :] · B[g]ᵀ )   for g in [0, G)
+ *   A [M_total, K] bf16, rows of g = [offsets[g], offsets[g+1])
+ *   B [G, N, K] bf16 (K-major, PyTorch Linear layout) or [G, K, N] (N-major, backward)
+ *
+ * One CTA per SM, 384 threads: warpgroup 0 produces (TMA into the ring of tile/pipeline.cuh),
+ * warpgroups 1 and 2 consume (wgmma) and run the epilogue (tile/epilogue.cuh). Tiles are BM x BN
+ * = 128 x 256 (128 x 128 output columns for SwiGLU, whose B tile holds 128 gate and 128 up rows).
+ * Group sizes are read from device memory by every CTA (tile/scheduler.cuh); the host never
+ * synchronizes.
+ *
+ * Configurations (compile-time, one dispatch table in mok_grouped_gemm_launch):
+ *   staged  (default for bf16 outputs and fp32 stores): 3 stages + 64 KB output staging, TMA
+ *           bulk stores that drain while the next tile's MMA runs (fp32: two rounds of 32 KB per
+ *           warpgroup); partial row tiles fall back to direct stores; MOK_GG_STAGES=4 (bf16
+ *           only): 4 stages + 32 KB staging in two rounds;
+ *   direct  (MOK_GG_TMA_STORE=0; always for fp32 accumulation): 4 stages, stores from registers;
+ *   cluster (MOK_GG_CLUSTER=2, K-major B, bf16 outputs): staged + 2-CTA clusters multicasting B.
+ * Measured on an H200 in bench/NOTES.md.
+ */
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/tile/epilogue.cuh"
+#include "cuda/gemm/gemm.h"
+#include "cuda/ptx/ptx.cuh"
+#include "cuda/tile/pipeline.cuh"
+#include "cuda/tile/scheduler.cuh"
+#include "cuda/ptx/tma.cuh"
+
+enum { GG_BM = 128, GG_BN = 256, GG_BK_BF16 = 64 };
+
+// Configurations, chosen per launch (see the launcher):
+//   direct: 4 stages, the epilogue stores from registers (fp32 accumulation always uses this);
+//   staged (default for bf16 outputs and fp32 stores), 3 stages + 64 KB of output staging: each
+//           consumer warpgroup stages its whole [64, 256] bf16 piece (fp32: in two rounds of 128
+//           columns) and leaves it to TMA bulk stores;
+//   staged, 4 stages + 32 KB (MOK_GG_STAGES=4): 128 columns at a time, the second round waiting
+//           until the copy engine has read the first.
+// NOTE: a consumer holds two stages at a time (the block it issues and the one still in flight),
+// so 3 stages leave the producer 1 block of lookahead; still, on the H200 the 3-stage version
+// beat the 4-stage one on every case measured (0-14%): the wait between the two store rounds
+// costs more than the deeper ring gains (bench/NOTES.md, v5 and v6).
+enum { GG_STAGES_DIRECT = 4 };
+#define GG_C_BYTES(STAGES) ((STAGES) == 3 ? 2 * 64 * 256 * 2 : 2 * 64 * 128 * 2)
+
+// Register split after setmaxnreg: 40 (producer) + 2 x 232 (consumers) per 3 x 128 threads, the
+// 168 per thread the CTA is launched with: the warpgroups only trade those (a split beyond them
+// leaves setmaxnreg.inc waiting forever; gemm/grouped_gemm_fp8.cuh). NOTE: ptxas (13.0) reports
+// "Used 168 registers", the entry budget of __launch_bounds__(384, 1), but allocates the code
+// after setmaxnreg.inc within its count and reports spills against that (the fp8 kernel's
+// consumers reach R236 at 240, bench/NOTES.md v13); check -Xptxas -v after every change
+// (make check-spills).
+enum { GG_PRODUCER_REGS = 40, GG_CONSUMER_REGS = 232 };
+static_assert(GG_PRODUCER_REGS + 2 * GG_CONSUMER_REGS <= 3 * 168, "the launch's registers");
+
+typedef struct {
+  const void *offsets;     // [G + 1] int32 or int64, device
+  int offsets_int64;
+  int num_groups;          // G
+  int n;                   // output columns per group (SwiGLU: I)
+  int k_blocks;            // ceil(K / 64)
+  int n_tiles;             // column tiles per group
+  int group_m;             // row units per band of the tile order (tile/scheduler.cuh)
+  int bn_out;              // output columns per tile: 256, or 128 for SwiGLU
+  int64_t m_total;
+  void *c;                 // [M_total, N] bf16 or fp32
+  const float *row_scale;  // [M_total] (SwiGLU)
+  void *g_out, *u_out;     // [M_total, N] bf16 (SwiGLU, optional)
+  const float *a_scale;    // fp8-block: [M_total, K/128], or [K/128, a_scale_ld]
+  const float *b_scale;    // fp8-block: [G, N/128, K/128]
+  int64_t a_scale_ld;      // fp8-block: 0, or the row stride of K-block-major a_scale
+} gg_kernel_params_t;
+
+// How the consumers learn their tiles: the producer thread walks the order (gg_sched_next) and
+// posts each tile in a slot beside the ring stage that starts it (tp_produce_tile's tags), before
+// the arrival that the consumers' wait acquires; the slot is not reused before all consumer warps
+// have released that stage. A stage whose tag has group -1 and no data is the end.
+// Walking the order themselves, as they did before, the consumers paid its cost at the start of
+// every tile, on the tensor cores' critical path: a new group's offsets from global memory and a
+// 64-bit division, which at these shapes is nearly every tile (a group has about one wave of
+// units). With the tags the fp8 GEMM ran 3-7% faster at the benchmark shapes and bf16 0.1-4%
+// (bench/NOTES.md v15).
+__device__ __forceinline__ int4 gg_tag(const gg_tile_t &t) {
+  return make_int4(t.group, t.row0, t.row_end, t.n0);
+}
+
+// Producer thread, after the last tile: the end, at the ring's position once that stage is free.
+template <typename P>
+__device__ __forceinline__ void gg_post_end(tp_ring_t *ring, uint64_t *full, uint64_t *empty) {
+  ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+  tp_post_tag<P>(full, ring->stage, make_int4(-1, 0, 0, 0));
+  ptx_mbar_arrive(&full[ring->stage]);
+}
+
+// The plan's tags, as a pointer the compiler knows is shared memory (indexed from smem_raw: LDS
+// with 32-bit addresses).
+template <typename P>
+__device__ __forceinline__ const int4 *gg_tags(const uint8_t *smem_raw, const uint8_t *smem) {
+  return (const int4 *)(smem_raw + (smem + P::TAGS_OFFSET - smem_raw));
+}
+
+// Consumer: waits for the stage at the ring's position and reads the tile posted with it (the
+// stage is not consumed); 0 at the end.
+// NOTE: a wait that times out reads as the end instead of trapping as ptx_mbar_wait does: with a
+// trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; bench/NOTES.md v14). A
+// producer that never posts is itself stuck in a bounded wait, which traps.
+__device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, const int4 *tags,
+                                       gg_tile_t *t) {
+  if (!ptx_mbar_wait_bounded_at(ptx_smem_addr(&full[ring->stage]), ring->phase)) return 0;
+  // NOTE: a plain load (the wait's asm is a compiler barrier for memory). Through a volatile
+  // pointer, ptxas treated the rest of the loop as divergent and moved the wgmma descriptors into
+  // uniform registers before every wgmma (SASS of the first version, bench/NOTES.md v15).
+  const int4 v = tags[ring->stage];
+  t->group = v.x;
+  t->row0 = v.y;
+  t->row_end = v.z;
+  t->n0 = v.w;
+  return v.x >= 0;
+}
+
+// Whether consumer warpgroup rows [wg_row0, wg_row0 + 64) of a tile, all past its group's end,
+// may skip the tile's MMA (the consumer loops' `idle`: it only releases the stages, and the tile
+// takes about half the time). Not when the tiles come in bands (group_m > 0): there the CTAs
+// that share a B column block take consecutive units of the fixed order, and a CTA whose tile is
+// cut short runs ahead of its band's partners onto other column blocks, which B streamed from
+// HBM then pays for. Computing the unused rows instead (never stored) kept the CTAs in step and
+// was faster wherever groups end in short row tiles: DeepSeek-V3 skewed gate/up 13.10 against
+// 14.13 ms, SwiGLU 13.15 against 13.61, down 7.00 against 7.18; the same elsewhere (bench/NOTES.md
+// v20). Clusters keep the skip: their pairs move in step anyway.
+__device__ __forceinline__ bool gg_skip_rows(const gg_kernel_params_t &p, int cluster,
+                                             int wg_row0, int row_end) {
+  return (cluster > 1 || p.group_m == 0) && wg_row0 >= row_end;
+}
+
+// Staged store of output columns [128 H, 128 H + 128) of a consumer warpgroup's tile (or of its
+// 128 SwiGLU columns): tile/epilogue.cuh's epi_store_staged on named barrier 1 + cw.
+// WAIT = -1 when round H has a buffer of its own (the 64 KB staging area), so that only the first
+// round waits for the previous tile's stores (WAIT = 0).
+template <int EPI, int H, int WAIT>
+__device__ __forceinline__ void gg_store_staged(const float (&acc)[128], uint8_t *stage_c,
+                                                const CUtensorMap *tm_c, float2 w, int n0, int n,
+                                                int wg_row0, int cw, int lt) {
+  epi_store_staged<EPI == MOK_GG_EPI_SWIGLU ? 0 : 16 * H, EPI == MOK_GG_EPI_SWIGLU, WAIT>(
+      acc, stage_c, tm_c, w, n0 + 128 * H, n, wg_row0, 1 + cw, lt);
+}
+
+template <int EPI, int STAGES, int TMA_STORE, int CLUSTER, int B_NMAJOR>
+__global__ void __launch_bounds__(MOK_TP_THREADS, 1)
+    gg_bf16_kernel(const __grid_constant__ gg_kernel_params_t p,
+                   const __grid_constant__ CUtensorMap tm_a,   // A [M_total, K], box [128, 64]
+                   const __grid_constant__ CUtensorMap tm_b,   // B [G*N, K], box [128, 64], or
+                                                               // N-major [G*K, N], box [64, 64]
+                   const __grid_constant__ CUtensorMap tm_b2,  // up [G*N, K] (SwiGLU) or = tm_b
+                   const __grid_constant__ CUtensorMap tm_c)   // C [M_total, N] bf16, box [64, 64]
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int C_BYTES = TMA_STORE ? GG_C_BYTES(STAGES) : 0;
+  constexpr int ONE_BUFFER = C_BYTES == 2 * 64 * 128 * 2;  // 128 columns per warpgroup
+  typedef tp_plan<GG_BM, GG_BN, STAGES, C_BYTES> P;
+  static_assert(!TMA_STORE || EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_SWIGLU ||
+                    (EPI == MOK_GG_EPI_STORE_F32 && STAGES == 3),
+                "staged: bf16, or fp32 stores through 32 KB per warpgroup");
+  static_assert(!B_NMAJOR || (CLUSTER == 1 && EPI != MOK_GG_EPI_SWIGLU), "N-major B: plain GEMM");
+  extern __shared__ uint8_t smem_raw[];
+  uint64_t *full, *empty;
+  uint8_t *smem = tp_kernel_start<P, CLUSTER>(smem_raw, &full, &empty, &tm_a, &tm_b,
+                                              EPI == MOK_GG_EPI_SWIGLU ? &tm_b2 : NULL,
+                                              TMA_STORE ? &tm_c : NULL);
+  const int wg = threadIdx.x / 128;
+  const int rank = CLUSTER > 1 ? (int)ptx_cluster_ctarank() : 0;
+  // NOTE: the peer's producer multicasts into this CTA's ring and its consumers arrive on this
+  // CTA's barriers: every barrier of the cluster must be initialized before anyone starts.
+  if (CLUSTER > 1) ptx_cluster_sync();
+
+  gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
+                                   p.n_tiles, p.group_m, GG_BM, p.bn_out, CLUSTER, rank);
+  tp_ring_t ring = {0, 0};
+  gg_tile_t tile;
+
+  if (wg == 0) {
+    // Producer warpgroup: one thread issues every copy; the others only give up registers.
+    ptx_setmaxnreg_dec<GG_PRODUCER_REGS>();
+    if (threadIdx.x == 0 && B_NMAJOR) {
+      while (gg_sched_next(&sched, &tile)) {
+        tp_b_nmajor_t b;
+        b.map = &tm_b;
+        b.k_row0 = tile.group * p.k_blocks * GG_BK_BF16;  // K % 64 == 0 for N-major B
+        b.n0 = tile.n0;
+        tp_produce_tile_bn<GG_BM, GG_BN, STAGES, C_BYTES>(&ring, smem, full, empty, &tm_a,
+                                                          tile.row0, b, p.k_blocks, gg_tag(tile));
+      }
+      gg_post_end<P>(&ring, full, empty);
+    } else if (threadIdx.x == 0) {
+      while (gg_sched_next(&sched, &tile)) {
+        tp_b_source_t b;
+        b.map_lo = &tm_b;
+        b.row_lo = tile.group * p.n + tile.n0;
+        if (EPI == MOK_GG_EPI_SWIGLU) {
+          b.map_hi = &tm_b2;  // up rows of the same columns
+          b.row_hi = b.row_lo;
+        } else {
+          b.map_hi = &tm_b;
+          b.row_hi = b.row_lo + 128;
+        }
+        // A row tile past its group's end (cluster padding) reads the group's last row onwards:
+        // in bounds, and nothing of it is stored.
+        const int a_row = tile.row0 < tile.row_end ? tile.row0 : tile.row_end - 1;
+        tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES, CLUSTER>(
+            &ring, smem, full, empty, &tm_a, a_row, b, p.k_blocks, GG_BK_BF16, rank, gg_tag(tile));
+      }
+      gg_post_end<P>(&ring, full, empty);
+    }
+  } else {
+    ptx_setmaxnreg_inc<GG_CONSUMER_REGS>();
+    const int cw = wg - 1;              // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
+    const int lt = threadIdx.x & 127;   // thread within the warpgroup
+    uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // [2 or 4][64][128 B]
+    float acc[128];                     // [64, 256] fragment of this warpgroup
+    const int4 *tags = gg_tags<P>(smem_raw, smem);
+    while (gg_peek(&ring, full, tags, &tile)) {
+      epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
+      float2 w = make_float2(1.0f, 1.0f);
+      if (EPI == MOK_GG_EPI_SWIGLU) w = epi_row_scales(p.row_scale, e);
+      const int wg_row0 = tile.row0 + 64 * cw;
+      tp_consume_tile_bf16_n256<GG_BM, STAGES, C_BYTES, CLUSTER, B_NMAJOR>(
+          &ring, smem, full, empty, p.k_blocks, cw, gg_skip_rows(p, CLUSTER, wg_row0, tile.row_end),
+          acc);
+      // SwiGLU with bf16 g, u outputs too stores everything from registers (3 outputs per tile).
+      const bool staged = TMA_STORE && wg_row0 + 64 <= tile.row_end &&
+                          (EPI != MOK_GG_EPI_SWIGLU || (!p.g_out && !p.u_out));
+      if (staged) {
+        if (EPI == MOK_GG_EPI_STORE_F32) {  // two rounds of 32 KB through the same buffer
+          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, 1 + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, 1 + cw, lt);
+        } else if (EPI == MOK_GG_EPI_SWIGLU) {
+          gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
+        } else {  // 256 columns: two rounds of 128
+          gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
+          gg_store_staged<EPI, 1, ONE_BUFFER ? 0 : -1>(acc, ONE_BUFFER ? stage_c : stage_c + 16384, &tm_c,
+                                              w, tile.n0, p.n, wg_row0, cw, lt);
+        }
+      } else if (EPI == MOK_GG_EPI_STORE_BF16) {
+        epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c, e);
+      } else if (EPI == MOK_GG_EPI_STORE_F32) {
+        epi_store_f32<128, false>(acc, (float *)p.c, e);
+      } else if (EPI == MOK_GG_EPI_ACCUM_F32) {
+        epi_store_f32<128, true>(acc, (float *)p.c, e);
+      } else {
+        epi_store_swiglu<128>(acc, (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.g_out,
+                              (__nv_bfloat16 *)p.u_out, w, e);
+      }
+    }
+    if (TMA_STORE && lt == 0) ptx_bulk_wait_group_all();  // stores done before the CTA retires
+  }
+  // NOTE: no CTA of a cluster may exit while its peer can still multicast into it or arrive on
+  // its barriers.
+  if (CLUSTER > 1) {
+    __syncwarp();
+    ptx_cluster_sync();
+  }
+#endif
+}
+
+#include "cuda/gemm/grouped_gemm_fp8.cuh"
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Launcher                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+static int gg_aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
+
+static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
+  if (!p) return MOK_ERROR_NULL_POINTER;
+  if (!p->a || !p->b || !p->c || !p->offsets) return MOK_ERROR_NULL_POINTER;
+  if (p->dtype != MOK_GG_BF16 && p->dtype != MOK_GG_FP8_BLOCK) return MOK_ERROR_INVALID_VALUE;
+  if (p->b_layout != MOK_GG_B_KMAJOR && p->b_layout != MOK_GG_B_NMAJOR)
+    return MOK_ERROR_INVALID_VALUE;
+  if ((int)p->epilogue < 0 || p->epilogue > MOK_GG_EPI_SWIGLU) return MOK_ERROR_INVALID_VALUE;
+  if (p->offsets_int64 != 0 && p->offsets_int64 != 1) return MOK_ERROR_INVALID_VALUE;
+  if (p->num_sms < 0) return MOK_ERROR_INVALID_VALUE;
+  if (p->num_groups < 1 || p->num_groups > MOK_GG_MAX_GROUPS) return MOK_ERROR_INVALID_SHAPE;
+  if (p->m_total < 0 || p->n < 1 || p->k < 1) return MOK_ERROR_INVALID_SHAPE;
+  if (p->k % 8 != 0 || p->n % 8 != 0) return MOK_ERROR_INVALID_SHAPE;  // 16-byte row strides
+  // int32 tile indices and TMA coordinates
+  if (p->m_total >= ((int64_t)1 << 31) || p->k >= ((int64_t)1 << 31) ||
+      p->num_groups * p->n >= ((int64_t)1 << 31))
+    return MOK_ERROR_INVALID_SHAPE;
+  const int64_t n_tiles = (p->n + 255) / 256 * 2;  // SwiGLU's count bounds the plain one
+  if ((p->m_total / GG_BM + p->num_groups) * n_tiles >= ((int64_t)1 << 31))
+    return MOK_ERROR_INVALID_SHAPE;
+  if (p->epilogue == MOK_GG_EPI_SWIGLU && !p->b2) return MOK_ERROR_NULL_POINTER;
+  if (!gg_aligned16(p->a) || !gg_aligned16(p->b) || !gg_aligned16(p->c) ||
+      (p->b2 && !gg_aligned16(p->b2)) || (p->g_out && !gg_aligned16(p->g_out)) ||
+      (p->u_out && !gg_aligned16(p->u_out)) ||
+      ((uintptr_t)p->offsets & (p->offsets_int64 ? 7u : 3u)) || ((uintptr_t)p->row_scale & 3u))
+    return MOK_ERROR_MISALIGNED;
+  if (p->b_layout == MOK_GG_B_NMAJOR) {
+    if (p->k % 64 != 0) return MOK_ERROR_INVALID_SHAPE;  // a K block never spans two groups
+    if (p->num_groups * p->k >= ((int64_t)1 << 31)) return MOK_ERROR_INVALID_SHAPE;
+    if (p->epilogue == MOK_GG_EPI_SWIGLU) return MOK_ERROR_NOT_IMPLEMENTED;
+  }
+  if (p->dtype == MOK_GG_FP8_BLOCK) {
+    if (!p->a_scale || !p->b_scale) return MOK_ERROR_NULL_POINTER;
+    if (((uintptr_t)p->a_scale & 3u) || ((uintptr_t)p->b_scale & 3u)) return MOK_ERROR_MISALIGNED;
+    if (p->a_scale_ld != 0) {  // K-block major: TMA rows of 16-byte multiples
+      if (p->a_scale_ld < p->m_total || p->a_scale_ld % 4 != 0 ||
+          p->a_scale_ld >= ((int64_t)1 << 31))
+        return MOK_ERROR_INVALID_SHAPE;
+      if ((uintptr_t)p->a_scale & 15u) return MOK_ERROR_MISALIGNED;
+    }
+    if (p->k % 128 != 0 || p->n % 128 != 0) return MOK_ERROR_INVALID_SHAPE;  // scale blocks
+    if (p->b_layout != MOK_GG_B_KMAJOR || p->epilogue == MOK_GG_EPI_SWIGLU)
+      return MOK_ERROR_NOT_IMPLEMENTED;  // fp8 wgmma reads both operands K-major
+  }
+  return MOK_SUCCESS;
+}
+
+typedef struct {
+  CUtensorMap a, b, b2, c;
+} gg_maps_t;
+
+template <int EPI, int STAGES, int TMA_STORE, int CLUSTER, int B_NMAJOR>
+static cudaError_t gg_launch_bf16(const gg_kernel_params_t *kp, const gg_maps_t *m, int grid,
+                                  int grid_auto, cudaStream_t stream) {
+  typedef tp_plan<GG_BM, GG_BN, STAGES, TMA_STORE ? GG_C_BYTES(STAGES) : 0> P;
+  const int bytes = P::ALLOC_BYTES + P::TAGS_BYTES;
+  void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap) =
+      gg_bf16_kernel<EPI, STAGES, TMA_STORE, CLUSTER, B_NMAJOR>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cudaLaunchAttribute attr[1];
+  cfg.blockDim = dim3(MOK_TP_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  if (CLUSTER > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CLUSTER;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    // A persistent grid must be resident at once: by default (grid_auto) no more clusters than
+    // fit together, queried once per kernel. An explicit num_sms is taken as given.
+    static int max_clusters = 0;
+    if (grid_auto && max_clusters == 0) {
+      cfg.gridDim = dim3(grid - grid % CLUSTER, 1, 1);
+      err = cudaOccupancyMaxActiveClusters(&max_clusters, (void *)kernel, &cfg);
+      if (err != cudaSuccess) return err;
+      if (max_clusters < 1) return cudaErrorInvalidConfiguration;
+    }
+    grid -= grid % CLUSTER;
+    if (grid_auto && grid / CLUSTER > max_clusters) grid = max_clusters * CLUSTER;
+    if (grid < CLUSTER) grid = CLUSTER;
+  }
+  cfg.gridDim = dim3(grid, 1, 1);
+  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->c);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+// Staged (TMA) stores for bf16 outputs unless the environment sets MOK_GG_TMA_STORE=0: a knob
+// for benchmarks and tests, read at every launch (getenv costs far less than a launch).
+static int gg_use_tma_store(void) {
+  const char *e = getenv("MOK_GG_TMA_STORE");
+  return (e && e[0] == '0') ? 0 : 1;
+}
+// Stages of the staged configuration: 3 (64 KB staging), or 4 (32 KB) when MOK_GG_STAGES=4.
+static int gg_staged_stages(void) {
+  const char *e = getenv("MOK_GG_STAGES");
+  return (e && e[0] == '4') ? 4 : 3;
+}
+// Clusters of 2 CTAs sharing B (multicast) for staged bf16 outputs when MOK_GG_CLUSTER=2. Off by
+// default: measured 2-4% slower than single CTAs on the Qwen3-235B cases (bench/NOTES.md, v3),
+// so the L2-to-SM traffic it halves is not what limits this kernel today.
+static int gg_use_cluster(void) {
+  const char *e = getenv("MOK_GG_CLUSTER");
+  return (e && e[0] == '2') ? 2 : 1;
+}
+
+extern "C" int mok_tile_group_m(int64_t b_bytes) {
+  const char *env = getenv("MOK_TILE_GROUP");
+  if (env && env[0]) return atoi(env) > 0 ? atoi(env) : 0;
+  int device = 0, l2 = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  // NOTE: from a sixth of the L2 (10.5 MB on the H200, which reports 60 MiB). Timed with each
+  // kernel at the clock its own power draw allows (bench/gemm.py's blocked timing), Qwen3-235B's
+  // 25.2 MB (gate/up) and 12.6 MB (down) ran 4% faster in bands (ncu: 5.3 GB read from HBM
+  // against 8.7 for gate/up), and its fused forward 1%; interleaved with other kernels, which
+  // lends them clock, the bands had measured even or up to 1% slower, hence the former rule of
+  // 0.45 of the L2. Qwen3-30B's 6.3 MB gained nothing (bench/NOTES.md v22).
+  return b_bytes * 6 > (int64_t)l2 ? 8 : 0;
+}
+
+extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *stream) {
+  mokResult_t res = gg_validate(p);
+  if (res != MOK_SUCCESS) return res;
+  if (p->m_total == 0) return MOK_SUCCESS;  // no rows: nothing to read or write
+
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return MOK_ERROR_NO_DEVICE;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return MOK_ERROR_NO_DEVICE;
+  const int grid = p->num_sms > 0 && p->num_sms < sms ? p->num_sms : sms;
+
+  const int swiglu = p->epilogue == MOK_GG_EPI_SWIGLU;
+  gg_kernel_params_t kp;
+  kp.offsets = p->offsets;
+  kp.offsets_int64 = p->offsets_int64;
+  kp.num_groups = (int)p->num_groups;
+  kp.n = (int)p->n;
+  kp.k_blocks = (int)((p->k + GG_BK_BF16 - 1) / GG_BK_BF16);
+  kp.bn_out = swiglu ? 128 : 256;
+  kp.n_tiles = (int)((p->n + kp.bn_out - 1) / kp.bn_out);
+  kp.m_total = p->m_total;
+  kp.c = p->c;
+  kp.row_scale = p->row_scale;
+  kp.g_out = swiglu ? p->g_out : NULL;
+  kp.u_out = swiglu ? p->u_out : NULL;
+  // one group's B: N x K elements (SwiGLU: gate and up, N each)
+  kp.group_m = mok_tile_group_m((swiglu ? 2 : 1) * p->n * p->k *
+                                (p->dtype == MOK_GG_FP8_BLOCK ? 1 : 2));
+
+  kp.a_scale = p->a_scale;
+  kp.a_scale_ld = p->a_scale_ld;
+  kp.b_scale = p->b_scale;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (p->dtype == MOK_GG_FP8_BLOCK) {
+    kp.k_blocks = (int)(p->k / GG8_BK);
+    kp.bn_out = GG8_BN;
+    kp.n_tiles = (int)(p->n / GG8_BN);
+    CUtensorMap ma, mb, mc, ms;
+    if (tma_encode_e4m3_sw128(&ma, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG8_BM) ||
+        tma_encode_e4m3_sw128(&mb, p->b, (uint64_t)(p->num_groups * p->n), (uint64_t)p->k, 128))
+      return MOK_ERROR_CUDA;
+    mc = ms = ma;  // unused unless bf16 output, K-block major a_scale
+    if (p->epilogue == MOK_GG_EPI_STORE_BF16 &&
+        tma_encode_bf16_sw128(&mc, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64))
+      return MOK_ERROR_CUDA;
+    const int smem_a = p->a_scale_ld != 0;
+    if (smem_a && tma_encode_f32_rows(&ms, p->a_scale, (uint64_t)kp.k_blocks,
+                                      (uint64_t)p->a_scale_ld,
+                                      (uint32_t)(p->a_scale_ld < GG8_SCALE_BOX ? p->a_scale_ld
+                                                                               : GG8_SCALE_BOX)))
+      return MOK_ERROR_CUDA;
+#define GG8_LAUNCH(EPI) gg_launch_fp8_config<EPI>(&kp, &ma, &mb, &mc, &ms, smem_a, grid, s)
+    cudaError_t err = p->epilogue == MOK_GG_EPI_STORE_BF16 ? GG8_LAUNCH(MOK_GG_EPI_STORE_BF16)
+                      : p->epilogue == MOK_GG_EPI_STORE_F32 ? GG8_LAUNCH(MOK_GG_EPI_STORE_F32)
+                                                            : GG8_LAUNCH(MOK_GG_EPI_ACCUM_F32);
+#undef GG8_LAUNCH
+    return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
+  }
+
+  gg_maps_t m;
+  const uint64_t rows_b = (uint64_t)(p->num_groups * p->n);
+  const int bf16_out = p->epilogue == MOK_GG_EPI_STORE_BF16 || swiglu;
+  const int nmajor = p->b_layout == MOK_GG_B_NMAJOR;
+  if (tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG_BM) ||
+      (nmajor ? tma_encode_bf16_sw128(&m.b, p->b, (uint64_t)(p->num_groups * p->k),
+                                      (uint64_t)p->n, 64)
+              : tma_encode_bf16_sw128(&m.b, p->b, rows_b, (uint64_t)p->k, 128)) ||
+      tma_encode_bf16_sw128(&m.b2, swiglu ? p->b2 : p->b, rows_b, (uint64_t)p->k, 128) ||
+      (bf16_out && tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)) ||
+      (p->epilogue == MOK_GG_EPI_STORE_F32 &&
+       tma_encode_f32_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)))
+    return MOK_ERROR_CUDA;
+  if (p->epilogue == MOK_GG_EPI_ACCUM_F32) m.c = m.a;  // unused: accumulation stores directly
+
+  // The configuration table: (staged, cluster) for bf16 outputs, staged or direct for fp32
+  // stores, direct for fp32 accumulation.
+  const int staged = gg_use_tma_store();
+  const int pair = staged && !nmajor && gg_use_cluster() == 2 && grid >= 2;
+  const int auto_grid = p->num_sms == 0;
+  const int S4 = GG_STAGES_DIRECT, three = gg_staged_stages() == 3;
+#define GG_LAUNCH(EPI, STAGES, TMA_STORE, CLUSTER, NMAJOR) \
+  gg_launch_bf16<EPI, STAGES, TMA_STORE, CLUSTER, NMAJOR>(&kp, &m, grid, auto_grid, s)
+  cudaError_t err;
+  switch (p->epilogue) {
+    case MOK_GG_EPI_STORE_BF16:
+      if (nmajor) err = !staged ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, S4, 0, 1, 1)
+                        : three ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 3, 1, 1, 1)
+                                : GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 4, 1, 1, 1);
+      else err = pair     ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 3, 1, 2, 0)
+                 : !staged ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, S4, 0, 1, 0)
+                 : three  ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 3, 1, 1, 0)
+                          : GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 4, 1, 1, 0);
+      break;
+    case MOK_GG_EPI_STORE_F32:
+      err = nmajor ? (staged ? GG_LAUNCH(MOK_GG_EPI_STORE_F32, 3, 1, 1, 1)
+                             : GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 1))
+                   : (staged ? GG_LAUNCH(MOK_GG_EPI_STORE_F32, 3, 1, 1, 0)
+                             : GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 0));
+      break;
+    case MOK_GG_EPI_ACCUM_F32:
+      // NOTE: staged through TMA's reduce-add (c += acc by the memory system, the same bits),
+      // the backward's dx accumulation at DeepSeek-V3 took 12.06 ms against 10.92 from registers
+      // (at Qwen3-235B 4.44 against 4.74; bench/NOTES.md v20): it stays direct.
+      err = nmajor ? GG_LAUNCH(MOK_GG_EPI_ACCUM_F32, S4, 0, 1, 1)
+                   : GG_LAUNCH(MOK_GG_EPI_ACCUM_F32, S4, 0, 1, 0);
+      break;
+    default:  // SwiGLU (K-major B only)
+      err = pair      ? GG_LAUNCH(MOK_GG_EPI_SWIGLU, 3, 1, 2, 0)
+            : !staged ? GG_LAUNCH(MOK_GG_EPI_SWIGLU, S4, 0, 1, 0)
+            : three   ? GG_LAUNCH(MOK_GG_EPI_SWIGLU, 3, 1, 1, 0)
+                      : GG_LAUNCH(MOK_GG_EPI_SWIGLU, 4, 1, 1, 0);
+      break;
+  }
+#undef GG_LAUNCH
+  return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
+}

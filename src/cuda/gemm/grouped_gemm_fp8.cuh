@@ -1,0 +1,190 @@
+/*
+ * gemm/grouped_gemm_fp8.cuh: the fp8-block grouped GEMM kernel (DeepSeek-V3 recipe), included by
+ * grouped_gemm.cu, whose launcher validates and dispatches to it.
+ *
+ *   C[rows of g, :] = epilogue( Σ_kb (A_kb · B[g]_kbᵀ) · a_scale[r, kb] · b_scale[g, n/128, kb] )
+ *   A       [M_total, K] e4m3        a_scale [M_total, K/128] or [K/128, ld] fp32 (1x128 blocks)
+ *   B       [G, N, K] e4m3 (K-major) b_scale [G, N/128, K/128] fp32 (128x128 blocks)
+ *   K % 128 == 0, N % 128 == 0 (scale blocks never straddle a tile)
+ *
+ * Activation scales stored K-block major ([K/128, ld], SMEM_A) come into shared memory with each
+ * stage (one more TMA box per stage), so the consumers read them there; row-major ones are read
+ * by the consumers from global memory, one block ahead.
+ *
+ * Same CTA shape as the bf16 kernel (1 producer + 2 consumer warpgroups, persistent, tiles from
+ * tile/scheduler.cuh), with 128 x 128 tiles: the promotion keeps the stage's partial sums apart
+ * from the fp32 total, in two sets so that the next stage's wgmmas run while one is promoted
+ * (3 x 64 registers per thread; with N = 256 they would not fit). A stage holds 128 reduction
+ * elements (128 bytes per row: the 128-byte swizzle span).
+ */
+#ifndef MOK_CUDA_GROUPED_GEMM_FP8_CUH
+#define MOK_CUDA_GROUPED_GEMM_FP8_CUH
+
+enum { GG8_BM = 128, GG8_BN = 128, GG8_BK = 128, GG8_STAGES = 6, GG8_C_BYTES = 2 * 64 * 128 * 2 };
+
+// Shared memory of an fp8 kernel with STAGES stages: the ring plan P, then (SMEM_A) a slot of
+// activation scales per stage, 128-byte aligned for TMA, after the plan's tags.
+template <int EPI, int STAGES, int SMEM_A>
+struct gg8_plan {
+  typedef tp_plan<GG8_BM, GG8_BN, STAGES, EPI == MOK_GG_EPI_STORE_BF16 ? GG8_C_BYTES : 0> P;
+  static constexpr int SLOTS_OFFSET = (P::TAGS_OFFSET + P::TAGS_BYTES + 127) / 128 * 128;
+  static constexpr int BYTES =
+      SMEM_A ? P::ALLOC_BYTES + (SLOTS_OFFSET - P::BYTES) + STAGES * MOK_TP_FP8_SLOT_BYTES
+             : P::ALLOC_BYTES + P::TAGS_BYTES;
+  static_assert(BYTES <= 227 * 1024, "over the 227 KB of shared memory of an sm_90 CTA");
+};
+// Register split: the consumers hold two `part` sets and the fp32 total (192 registers) in the
+// mainloop (tile/pipeline.cuh), so they take 240 and the producer warpgroup (one thread issuing
+// TMA) keeps 24. ptxas gives the code after setmaxnreg.inc the larger budget; keep it spill-free.
+// NOTE: the warpgroups trade registers within what the CTA was launched with (168 per thread,
+// __launch_bounds__(384, 1)), not the whole register file: with 32 + 2 x 240 the consumers'
+// setmaxnreg.inc waited forever for registers nobody had freed, and the producer's bounded wait
+// trapped (bench/NOTES.md v14).
+// With the activation scales in shared memory (SMEM_A) the consumers need no scale pointers and
+// the producer loads one more box per stage: 32 and 232.
+enum { GG8_PRODUCER_REGS = 24, GG8_CONSUMER_REGS = 240 };
+enum { GG8_SMEM_A_PRODUCER_REGS = 32, GG8_SMEM_A_CONSUMER_REGS = 232 };
+static_assert(GG8_PRODUCER_REGS + 2 * GG8_CONSUMER_REGS <= 3 * 168, "the launch's registers");
+static_assert(GG8_SMEM_A_PRODUCER_REGS + 2 * GG8_SMEM_A_CONSUMER_REGS <= 3 * 168, "the same");
+
+// The producer's extra load per stage with SMEM_A: the tile's 128 activation scales of the
+// stage's K block, one TMA box [1, min(132, ld)] of a_scale [K/128, ld] from the tile's first row
+// rounded down to a multiple of 4 (NOTE: an innermost coordinate that is not a multiple of 16
+// bytes is an illegal instruction) into the stage's slot. With ld < 132 the box is the whole row
+// (a box wider than the tensor is not allowed), which still covers the tile's rows in it.
+enum { GG8_SCALE_BOX = 132 };
+static_assert(4 * GG8_SCALE_BOX <= MOK_TP_FP8_SLOT_BYTES && MOK_TP_FP8_SLOT_BYTES % 128 == 0,
+              "a slot holds the box, at a 128-byte aligned address");
+struct gg8_scale_load {
+  const CUtensorMap *map;
+  uint8_t *slots;      // stage 0's slot
+  int row0;            // the tile's first row, rounded down to a multiple of 4
+  uint32_t box_bytes;  // 4 min(132, ld)
+  __device__ __forceinline__ uint32_t extra_tx() const { return box_bytes; }
+  __device__ __forceinline__ void operator()(int stage, int kb, uint64_t *bar) const {
+    ptx_tma_load_2d(slots + stage * MOK_TP_FP8_SLOT_BYTES, map, bar, row0, kb);
+  }
+};
+
+// STAGES: ring depth; SMEM_A: activation scales [K/128, ld] through shared memory (above), else
+// [M_total, K/128] read from global memory by the consumers.
+template <int EPI, int STAGES, int SMEM_A>
+__global__ void __launch_bounds__(MOK_TP_THREADS, 1)
+    gg_fp8_kernel(const __grid_constant__ gg_kernel_params_t p,
+                  const __grid_constant__ CUtensorMap tm_a,  // A [M_total, K] e4m3, box [128, 128]
+                  const __grid_constant__ CUtensorMap tm_b,  // B [G*N, K] e4m3, box [128, 128]
+                  const __grid_constant__ CUtensorMap tm_c,  // C [M_total, N] bf16, box [64, 64]
+                  const __grid_constant__ CUtensorMap tm_s)  // SMEM_A: a_scale, box [1, <= 132]
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int STAGED = EPI == MOK_GG_EPI_STORE_BF16;
+  constexpr int C_BYTES = STAGED ? GG8_C_BYTES : 0;
+  typedef gg8_plan<EPI, STAGES, SMEM_A> Q;
+  typedef typename Q::P P;
+  static_assert(EPI != MOK_GG_EPI_SWIGLU, "fp8-block SwiGLU is not implemented");
+  extern __shared__ uint8_t smem_raw[];
+  uint64_t *full, *empty;
+  uint8_t *smem = tp_kernel_start<P, 1>(smem_raw, &full, &empty, &tm_a, &tm_b,
+                                        STAGED ? &tm_c : NULL, SMEM_A ? &tm_s : NULL);
+  const int wg = threadIdx.x / 128;
+
+  gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
+                                   p.n_tiles, p.group_m, GG8_BM, GG8_BN, 1, 0);
+  tp_ring_t ring = {0, 0};
+  gg_tile_t tile;
+
+  if (wg == 0) {
+    ptx_setmaxnreg_dec<SMEM_A ? GG8_SMEM_A_PRODUCER_REGS : GG8_PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      while (gg_sched_next(&sched, &tile)) {
+        tp_b_source_t b;
+        b.map_lo = b.map_hi = &tm_b;
+        b.row_lo = tile.group * p.n + tile.n0;
+        b.row_hi = b.row_lo;  // unused: BN = 128 is one box
+        if (SMEM_A) {
+          gg8_scale_load sl;
+          sl.map = &tm_s;
+          sl.slots = smem + Q::SLOTS_OFFSET;
+          sl.row0 = tile.row0 & ~3;
+          sl.box_bytes = 4 * (uint32_t)min(p.a_scale_ld, (int64_t)GG8_SCALE_BOX);
+          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES, 1>(
+              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, 0, gg_tag(tile),
+              sl);
+        } else {
+          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES, 1>(
+              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, 0,
+              gg_tag(tile));
+        }
+      }
+      gg_post_end<P>(&ring, full, empty);
+    }
+  } else {
+    ptx_setmaxnreg_inc<SMEM_A ? GG8_SMEM_A_CONSUMER_REGS : GG8_CONSUMER_REGS>();
+    const int cw = wg - 1;
+    const int lt = threadIdx.x & 127;
+    float total[64];  // [64, 128] fragment of this warpgroup
+    const int4 *tags = gg_tags<P>(smem_raw, smem);
+    while (gg_peek(&ring, full, tags, &tile)) {
+      // scale rows of this thread's two accumulator rows, clamped into the tensor (rows past the
+      // group's end are computed but never stored)
+      {
+        const int64_t row = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw).row;
+        const int64_t r0 = row < p.m_total ? row : p.m_total - 1;
+        const int64_t r1 = row + 8 < p.m_total ? row + 8 : p.m_total - 1;
+        tp_fp8_scales_t sc;
+        sc.a0 = p.a_scale + r0 * p.k_blocks;
+        sc.a1 = p.a_scale + r1 * p.k_blocks;
+        sc.b = p.b_scale + ((int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN) * p.k_blocks;
+        // SMEM_A: this thread's first row in the slot, which starts at row0 & ~3
+        sc.sa = ptx_smem_addr(smem) + Q::SLOTS_OFFSET + 4 * (int)(row - (tile.row0 & ~3));
+        tp_consume_tile_fp8_n128<GG8_BM, STAGES, C_BYTES, SMEM_A>(
+            &ring, smem, full, empty, p.k_blocks, cw,
+            gg_skip_rows(p, 1, tile.row0 + 64 * cw, tile.row_end), sc, total);
+      }
+      // Everything else of the epilogue is computed after the mainloop, whose two `part` sets
+      // leave little room.
+      const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
+      const int wg_row0 = tile.row0 + 64 * cw;
+      uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
+      if (STAGED && wg_row0 + 64 <= tile.row_end) {
+        epi_store_staged<0, 0, 0>(total, stage_c, &tm_c, make_float2(1.0f, 1.0f), tile.n0, p.n,
+                                  wg_row0, 1 + cw, lt);
+      } else if (EPI == MOK_GG_EPI_STORE_BF16) {
+        epi_store_bf16<64>(total, (__nv_bfloat16 *)p.c, e);
+      } else if (EPI == MOK_GG_EPI_STORE_F32) {
+        epi_store_f32<64, false>(total, (float *)p.c, e);
+      } else {
+        epi_store_f32<64, true>(total, (float *)p.c, e);
+      }
+    }
+    if (STAGED && lt == 0) ptx_bulk_wait_group_all();
+  }
+#endif
+}
+
+template <int EPI, int STAGES, int SMEM_A>
+static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const CUtensorMap *ma,
+                                 const CUtensorMap *mb, const CUtensorMap *mc,
+                                 const CUtensorMap *ms, int grid, cudaStream_t stream) {
+  const int bytes = gg8_plan<EPI, STAGES, SMEM_A>::BYTES;
+  cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI, STAGES, SMEM_A>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return err;
+  gg_fp8_kernel<EPI, STAGES, SMEM_A><<<grid, MOK_TP_THREADS, bytes, stream>>>(*kp, *ma, *mb, *mc,
+                                                                               *ms);
+  return cudaGetLastError();
+}
+
+// The fp8 configurations: activation scales [K/128, ld] through shared memory (5 stages: with 6
+// the slots do not fit beside the output staging), or [M_total, K/128] from global memory with 6
+// stages. The first measured 0-4% faster at every benchmark shape (bench/NOTES.md v16).
+template <int EPI>
+static cudaError_t gg_launch_fp8_config(const gg_kernel_params_t *kp, const CUtensorMap *ma,
+                                        const CUtensorMap *mb, const CUtensorMap *mc,
+                                        const CUtensorMap *ms, int smem_a, int grid,
+                                        cudaStream_t stream) {
+  return smem_a ? gg_launch_fp8<EPI, 5, 1>(kp, ma, mb, mc, ms, grid, stream)
+                : gg_launch_fp8<EPI, GG8_STAGES, 0>(kp, ma, mb, mc, ms, grid, stream);
+}
+
+#endif /* MOK_CUDA_GROUPED_GEMM_FP8_CUH */

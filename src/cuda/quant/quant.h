@@ -1,0 +1,62 @@
+/*
+ * quant.h: the quantizer launchers (include/mok.h "Quantizers" is the bit-exact specification).
+ *
+ * A host/device contract: plain C11 and C++, no CUDA types (streams are void *); every launcher
+ * validates its arguments on the host, returns a mokResult_t, and never synchronizes.
+ */
+#ifndef MOK_CUDA_QUANT_H
+#define MOK_CUDA_QUANT_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "mok.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+
+/* `count` bf16 matrices quantized to e4m3 values and block scales, each exactly as
+ * mok_quantize_host quantizes it (bf16 -> fp32 is exact). The stored copy is [rows, cols]; its
+ * element (e, r, c) is read from
+ *   in[e * in_stride + r * in_ld + c]   transpose = 0, or
+ *   in[e * in_stride + c * in_ld + r]   transpose = 1 (the source is [cols, rows]: the transposed
+ *                                       copies of mok_quantize_weights)
+ * and the outputs are packed matrix after matrix, each as mok_quantize_host writes it:
+ *   q      [count, rows, cols] e4m3
+ *   scales [count, ceil(rows / block_rows), ceil(cols / block_cols)] fp32 (FP32, POW2) or E8M0
+ *          bytes. */
+typedef struct {
+  const void *in;             /* bf16, device memory, 2-byte aligned */
+  int transpose;              /* 0 or 1 */
+  int64_t in_ld;              /* elements between source rows; 0 = packed (cols, or rows when
+                                 transposed) */
+  int64_t in_stride;          /* elements between source matrices; 0 = packed (rows * cols) */
+  int64_t count, rows, cols;  /* >= 0; rows * cols <= 2^40, count <= 2^20 */
+  int block_rows, block_cols; /* powers of two in 1..128 (blocks tile the kernel's 128x128 tiles) */
+  mok_quant_scale_t kind;
+  uint8_t *q;                 /* device memory */
+  void *scales;               /* device memory, 4-byte aligned for fp32 scales */
+} mok_quantize_params_t;
+
+/* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,
+ * MOK_ERROR_MISALIGNED, with the detail in mok_last_error()) and enqueues the kernel on `stream`
+ * (a cudaStream_t of the current device); MOK_ERROR_CUDA when the launch fails. An empty matrix
+ * succeeds without touching the device. */
+mokResult_t mok_quantize_launch(const mok_quantize_params_t *p, void *stream);
+
+/* Fills the whole quantized-weight buffer `out` (mok_qw_layout(d, EL) bytes, device memory) from
+ * the bf16 weights `w` (device memory), byte for byte as mok_cpu_quantize_weights does on the
+ * host; bytes between operands (alignment gaps) are not written. One launch on `stream`, on the
+ * device that holds `out`; the caller's current device is kept. Without CUDA (a build without
+ * nvcc) it reports MOK_ERROR_NO_DEVICE. */
+mokResult_t mok_quantize_weights_gpu(const mok_layer_desc_t *d, int64_t EL, const mok_weights_t *w,
+                                     void *out, void *stream);
+
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_CUDA_QUANT_H */
