@@ -12,6 +12,7 @@
 #include "common/context.h"
 #include "common/quantized_layout.h"
 #include "common/status.h"
+#include "common/tuning.h"
 #include "mok.h"
 
 #ifdef __cplusplus
@@ -33,6 +34,7 @@ struct mok_layer {
   int64_t capacity_rows; /* routed rows (unpadded) this rank can receive */
   uint64_t id;           /* distinguishes layers in saved contexts */
   char err[MOK_ERR_LEN]; /* detail of the last failure on this layer */
+  mok_tuning_t tuning;   /* mok_tuning_default at create; tests change it (src/api/internal.h) */
   struct mok_gpu_layer *gpu; /* GPU backend state (src/gpu/forward.c); NULL on the CPU */
 };
 

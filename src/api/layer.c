@@ -86,6 +86,10 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
   double cf = desc->capacity_factor > 0 ? desc->capacity_factor : (double)comm->nranks;
   l->capacity_rows = (int64_t)ceil(cf * (double)(desc->max_tokens * desc->top_k));
   l->id = atomic_fetch_add(&g_next_layer_id, 1);
+  if ((r = mok_tuning_default(&l->tuning)) != MOK_SUCCESS) {
+    free(l);
+    return r;
+  }
   if (is_gpu(l) && (r = mok_gpu_layer_create(l)) != MOK_SUCCESS) {
     free(l);
     return r;
