@@ -10,7 +10,7 @@ CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),)
 BUILD    := build
 
 CFLAGS   := -std=c11 -O2 -g -Wall -Wextra -Werror=implicit-function-declaration -fPIC \
-            -Iinclude -Isrc
+            -fvisibility=hidden -Iinclude -Isrc
 LDLIBS   := -lm -lpthread
 
 HOST_SRCS := $(wildcard src/api/*.c src/cpu/*.c src/gpu/*.c)
@@ -23,7 +23,7 @@ ifneq ($(NVCC),)
   GPU_TEST_SRCS := $(wildcard tests/gpu/*.cu)
   CFLAGS        += -DMOK_WITH_CUDA -I$(CUDA_HOME)/include
   NVCCFLAGS     := -std=c++17 -O3 -g -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-                   -Xcompiler -fPIC -Xptxas -v -Iinclude -Isrc -DMOK_WITH_CUDA \
+                   -Xcompiler -fPIC,-fvisibility=hidden -Xptxas -v -Iinclude -Isrc -DMOK_WITH_CUDA \
                    --expt-relaxed-constexpr
   # No -lcuda: CI machines have no driver; driver entry points come from cudaGetDriverEntryPoint.
   CUDA_LIBS     := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
@@ -51,7 +51,7 @@ HEADERS   := $(wildcard include/*.h src/*/*.h src/cuda/*.cuh src/cuda/*/*.h src/
                tests/*.h tests/gpu/*.h tests/gpu/*.cuh)
 
 .PHONY: all test run bench clean check-spills nccl-info
-all: $(BUILD)/libmok.so $(BUILD)/mok_tests $(BUILD)/mok_run
+all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok_tests $(BUILD)/mok_run
 
 $(BUILD)/%.o: %.c $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -64,15 +64,19 @@ $(BUILD)/%.o: %.cu $(HEADERS)
 	  (cat $(BUILD)/ptxas/$(subst /,_,$<).log; exit 1)
 	@grep -E "warning|error" $(BUILD)/ptxas/$(subst /,_,$<).log || true
 
-$(BUILD)/libmok.so: $(HOST_OBJS) $(CUDA_OBJS)
-	$(CC) -shared -o $@ $^ $(LDLIBS)
+# libmok.so exports exactly the functions of include/mok.h (src/api/exports.map); the tests link
+# the same objects from libmok.a, so that they can call the internal launchers and entry points.
+$(BUILD)/libmok.so: $(HOST_OBJS) $(CUDA_OBJS) src/api/exports.map
+	$(CC) -shared -o $@ $(HOST_OBJS) $(CUDA_OBJS) -Wl,--version-script=src/api/exports.map $(LDLIBS)
 
-$(BUILD)/mok_tests: $(TEST_OBJS) $(BUILD)/libmok.so
-	$(CC) -o $@ $(TEST_OBJS) -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lmok $(LDLIBS) \
-	  $(if $(NVCC),-lcublas)
+$(BUILD)/libmok.a: $(HOST_OBJS) $(CUDA_OBJS)
+	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/mok_run: $(BUILD)/tools/mok_run.o $(BUILD)/libmok.so
-	$(CC) -o $@ $< -L$(BUILD) -Wl,-rpath,'$$ORIGIN' -lmok $(LDLIBS)
+$(BUILD)/mok_tests: $(TEST_OBJS) $(BUILD)/libmok.a
+	$(CC) -o $@ $(TEST_OBJS) $(BUILD)/libmok.a $(LDLIBS) $(if $(NVCC),-lcublas)
+
+$(BUILD)/mok_run: $(BUILD)/tools/mok_run.o $(BUILD)/libmok.a
+	$(CC) -o $@ $< $(BUILD)/libmok.a $(LDLIBS)
 
 # Fails when any kernel spills registers to local memory, or when ptxas serializes wgmma
 # (C7514/C7518: "wgmma.mma_async instructions are serialized"), which would silently undo a
