@@ -68,14 +68,6 @@ mokResult_t mok_gpu_check(mok_layer_t l);
 /* GPU backward (src/gpu/backward.c), W = 1 BF16 like the forward. */
 mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *g, const void *ctx, mok_stream_t stream);
-/* For src/gpu/backward.c: the layer's device workspace (NULL when the layer cannot run), and
- * the stream of a call, which mok_layer_check then synchronizes with. */
-void *mok_gpu_workspace(mok_layer_t l);
-/* MOK_SUCCESS when the GPU backend runs this layer (W = 1, BF16, workspace held); else the
- * failure, recorded with `fn` (the public call) in the message. */
-mokResult_t mok_gpu_check_supported(mok_layer_t l, const char *fn);
-void mok_gpu_track_stream(mok_layer_t l, mok_stream_t stream);
-
 /* CUDA helpers (src/gpu/cuda_host.c); without CUDA they report MOK_ERROR_NO_DEVICE. */
 mokResult_t mok_cuda_device_count(int *count);
 /* 1 if p is device (or managed) memory of `device`, 0 otherwise (host or another device). */

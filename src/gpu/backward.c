@@ -33,8 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "api/api.h"
-#include "common/workspace.h"
+#include "gpu/gpu.h"
 
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
@@ -43,29 +42,6 @@
 #include "cuda/forward/forward.h"
 #include "cuda/gemm/gemm.h"
 #include "cuda/quant/quant.h"
-
-/* A launcher's failure, already described in this thread's last error: copies it to the layer. */
-static mokResult_t bwd_launcher_failed(mok_layer_t l, mokResult_t r) {
-  memcpy(l->err, mok_last_error(), sizeof(l->err));
-  l->err[sizeof(l->err) - 1] = '\0';
-  return r;
-}
-
-static mokResult_t bwd_cuda(mok_layer_t l, const char *call, cudaError_t e) {
-  cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
-  return mok_fail(l, MOK_ERROR_CUDA, "mok_backward: %s: %s", call, cudaGetErrorString(e));
-}
-
-/* One grouped GEMM of the chain; `what` names it in the error. */
-static mokResult_t bwd_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *what,
-                            void *stream) {
-  const mokResult_t r = mok_grouped_gemm_launch(p, stream);
-  if (r != MOK_SUCCESS)
-    return mok_fail(l, r, "mok_backward: the %s grouped GEMM (G = %lld, M = %lld, N = %lld, "
-                    "K = %lld) failed to launch: %s", what, (long long)p->num_groups,
-                    (long long)p->m_total, (long long)p->n, (long long)p->k, mok_error_string(r));
-  return MOK_SUCCESS;
-}
 
 /* ---- weight gradients ------------------------------------------------------------------------- */
 
@@ -94,7 +70,7 @@ static mokResult_t bwd_wgrad(mok_layer_t l, int64_t groups, int64_t m, int64_t n
                     (long long)m, (long long)n, (long long)k, mok_error_string(r));
   if (bf16 && acc) {
     r = mok_bwd_wgrad_store_bf16_launch(stage, dw, groups * n * k, 1, stream);
-    if (r != MOK_SUCCESS) return bwd_launcher_failed(l, r);
+    if (r != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
   }
   return MOK_SUCCESS;
 }
@@ -110,7 +86,7 @@ static mokResult_t bwd_zero_wgrads(mok_layer_t l, const mok_backward_args_t *g, 
                            Is * H * el,    Is * H * el,    H * Is * el};
   for (int i = 0; i < (Is > 0 ? 6 : 3); i++) {
     const cudaError_t e = cudaMemsetAsync(dst[i], 0, bytes[i], (cudaStream_t)stream);
-    if (e != cudaSuccess) return bwd_cuda(l, "cudaMemsetAsync of a weight gradient", e);
+    if (e != cudaSuccess) return mok_gpu_cuda_fail(l, "mok_backward: cudaMemsetAsync of a weight gradient", e);
   }
   return MOK_SUCCESS;
 }
@@ -122,7 +98,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, K = l->d.top_k, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
-  char *ws = mok_gpu_workspace(l);
+  char *ws = l->gpu->ws;
   mok_ws_layout_t lay;
   const mok_ws_dims_t dims = mok_ws_dims(&l->d, E, R);
   mok_ws_layout(&dims, &lay);
@@ -149,7 +125,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   p.dx = gr->dx;
   p.dtopk_w = gr->dtopk_w;
   mokResult_t r = mok_bwd_context_check_launch(&p, stream);
-  if (r != MOK_SUCCESS) return bwd_launcher_failed(l, r);
+  if (r != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
   if (T == 0) return bwd_zero_wgrads(l, gr, stream);
 
   /* 2. Token rows into expert order: x -> xg (and topk_w -> row_w), dy -> dyg. */
@@ -162,9 +138,9 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   gp.slot_row = (int32_t *)p.ctx_slot_row; /* read only by the gather */
   gp.row_w = (float *)WS(MOK_WS_ROW_W);
   gp.x = a->x, gp.xg = WS(MOK_WS_XG);
-  if ((r = mok_fwd_gather_launch(&gp, stream)) != MOK_SUCCESS) return bwd_launcher_failed(l, r);
+  if ((r = mok_fwd_gather_launch(&gp, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
   gp.x = gr->dy, gp.xg = WS(MOK_WS_DYG);
-  if ((r = mok_fwd_gather_launch(&gp, stream)) != MOK_SUCCESS) return bwd_launcher_failed(l, r);
+  if ((r = mok_fwd_gather_launch(&gp, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
   /* bf16 g, u: saved by forward, or recomputed here by the forward's own GEMMs. */
   const void *g = save ? CTX(MOK_CTX_G) : WS(MOK_WS_G), *u = save ? CTX(MOK_CTX_U) : WS(MOK_WS_U);
@@ -180,7 +156,9 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
     gu.c = WS(MOK_WS_A);          /* [R, I] forward's a: unused, overwritten below */
     gu.row_scale = gp.row_w;
     gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U); /* [R, I] */
-    if ((r = bwd_gemm(l, &gu, "recompute gate/up", stream)) != MOK_SUCCESS) return r;
+    if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "recompute gate/up", stream)) !=
+        MOK_SUCCESS)
+      return r;
     if (Is > 0) {
       mok_grouped_gemm_params_t sgu =
           mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
@@ -189,14 +167,16 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
       sgu.offsets = p.shared_offsets;
       sgu.c = WS(MOK_WS_AS);      /* [T, Is], overwritten below */
       sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
-      if ((r = bwd_gemm(l, &sgu, "recompute shared gate/up", stream)) != MOK_SUCCESS) return r;
+      if ((r = mok_gpu_gemm(l, &sgu, "mok_backward", "recompute shared gate/up", stream)) !=
+          MOK_SUCCESS)
+        return r;
     }
   }
 
   /* 3. ds [R, I] = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major). */
   mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
   dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = p.offsets, dsp.c = WS(MOK_WS_DS);
-  if ((r = bwd_gemm(l, &dsp, "routed ds", stream)) != MOK_SUCCESS) return r;
+  if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
 
   /* 4. SwiGLU backward: a, dg, du [R, I], dw_row [R]. */
   mok_bwd_swiglu_params_t sb;
@@ -205,39 +185,47 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   sb.g = g, sb.u = u, sb.ds = (const float *)WS(MOK_WS_DS), sb.row_w = gp.row_w;
   sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
   sb.dw_row = (float *)WS(MOK_WS_DW_ROW);
-  if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return bwd_launcher_failed(l, r);
+  if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
   /* 5. dxk [R, H] fp32 = dg · Wg[e] + du · Wu[e] (Wg [E, I, H] is B [E, K = I, N = H]). */
   mok_grouped_gemm_params_t dxg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, H, I);
   dxg.a = WS(MOK_WS_DG), dxg.b = a->w.wg, dxg.offsets = p.offsets, dxg.c = WS(MOK_WS_DXK);
-  if ((r = bwd_gemm(l, &dxg, "routed dx (gate)", stream)) != MOK_SUCCESS) return r;
+  if ((r = mok_gpu_gemm(l, &dxg, "mok_backward", "routed dx (gate)", stream)) !=
+      MOK_SUCCESS)
+    return r;
   mok_grouped_gemm_params_t dxu = dxg;
   dxu.epilogue = MOK_GG_EPI_ACCUM_F32, dxu.a = WS(MOK_WS_DU), dxu.b = a->w.wu;
-  if ((r = bwd_gemm(l, &dxu, "routed dx (up)", stream)) != MOK_SUCCESS) return r;
+  if ((r = mok_gpu_gemm(l, &dxu, "mok_backward", "routed dx (up)", stream)) !=
+      MOK_SUCCESS)
+    return r;
 
   /* 6. Shared expert: one group [0, T) of dy and x themselves, weight 1, no router gradient. */
   if (Is > 0) {
     mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
     ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = p.shared_offsets; /* Wsd [H, Is] = [K, N] */
     ss.c = WS(MOK_WS_DSS);                                         /* [T, Is] */
-    if ((r = bwd_gemm(l, &ss, "shared ds", stream)) != MOK_SUCCESS) return r;
+    if ((r = mok_gpu_gemm(l, &ss, "mok_backward", "shared ds", stream)) != MOK_SUCCESS) return r;
     mok_bwd_swiglu_params_t ssb;
     memset(&ssb, 0, sizeof(ssb));
     ssb.num_groups = 1, ssb.m_total = T, ssb.n = Is, ssb.offsets = p.shared_offsets;
     ssb.g = gs, ssb.u = us, ssb.ds = (const float *)WS(MOK_WS_DSS), ssb.row_w = NULL;
     ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
-    if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS) return bwd_launcher_failed(l, r);
+    if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
     mok_grouped_gemm_params_t sg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
     sg.a = WS(MOK_WS_DGS), sg.b = a->w.wsg, sg.offsets = p.shared_offsets; /* Wsg [Is, H] */
     sg.c = WS(MOK_WS_DXS);                                                 /* [T, H] fp32 */
-    if ((r = bwd_gemm(l, &sg, "shared dx (gate)", stream)) != MOK_SUCCESS) return r;
+    if ((r = mok_gpu_gemm(l, &sg, "mok_backward", "shared dx (gate)", stream)) !=
+        MOK_SUCCESS)
+      return r;
     mok_grouped_gemm_params_t su = sg;
     su.epilogue = MOK_GG_EPI_ACCUM_F32, su.a = WS(MOK_WS_DUS), su.b = a->w.wsu;
-    if ((r = bwd_gemm(l, &su, "shared dx (up)", stream)) != MOK_SUCCESS) return r;
+    if ((r = mok_gpu_gemm(l, &su, "mok_backward", "shared dx (up)", stream)) !=
+        MOK_SUCCESS)
+      return r;
   }
 
   /* 7. dx and dtopk_w. */
-  if ((r = mok_bwd_reduce_launch(&p, stream)) != MOK_SUCCESS) return bwd_launcher_failed(l, r);
+  if ((r = mok_bwd_reduce_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
   /* 8. Weight gradients, reductions over each expert's rows in layout order. */
   float *stage = (float *)WS(MOK_WS_WGRAD32);
@@ -268,13 +256,9 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
 
 mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *g, const void *ctx, mok_stream_t stream) {
-  mokResult_t sup = mok_gpu_check_supported(l, "mok_backward");
-  if (sup != MOK_SUCCESS) return sup;
-  int prev = l->comm->device;
-  cudaError_t e = cudaGetDevice(&prev);
-  if (e == cudaSuccess) e = cudaSetDevice(l->comm->device);
-  if (e != cudaSuccess) return bwd_cuda(l, "cudaSetDevice", e);
-  mok_gpu_track_stream(l, stream);
+  int prev;
+  mokResult_t res = mok_gpu_begin_call(l, "mok_backward", stream, &prev);
+  if (res != MOK_SUCCESS) return res;
   const mokResult_t r = bwd_chain(l, a, g, (const char *)ctx, stream);
   cudaSetDevice(prev);
   return r;

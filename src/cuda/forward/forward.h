@@ -12,6 +12,7 @@
 
 #include "mok.h"
 #include "common/limits.h"
+#include "common/tuning.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -81,8 +82,7 @@ mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream)
 typedef struct {
   mok_fwd_local_params_t l;   /* as for the chain; row_tok / tile_pre / red_pre / red_order /
                                  counters must be set (written by this call's layout kernel).
-                                 xg NULL: GATE_UP gathers x rows itself; else GATE_UP reads xg,
-                                 filled by the gather kernel before this launch */
+                                 xg is not read: GATE_UP gathers the rows of x itself */
   int64_t I;                  /* intermediate size of a routed expert */
   const void *wg, *wu, *wd;   /* [E, I, H], [E, I, H], [E, H, I] bf16 */
   const void *wsg, *wsu, *wsd;/* [Is, H], [Is, H], [H, Is] bf16 (Is > 0) */
@@ -91,7 +91,9 @@ typedef struct {
   void *g_out, *u_out;        /* [R, I] bf16 (optional: the SAVE context) */
   void *gs_out, *us_out;      /* [T_max, Is] bf16 (optional) */
   int num_sms;                /* CTAs; 0 = one per SM. Any count gives the same bits */
-  double timeout_s;           /* bound of each wait on a counter; 0 = 10 s */
+  double timeout_s;           /* bound of each wait on a counter; 0 = the tuning's */
+  const mok_tuning_t *tuning; /* the layer's tuning (lag, bands, reduce helpers); NULL = the
+                                 defaults. The bits never depend on it */
 } mok_fwd_fused_params_t;
 
 /* MOK_ERROR_NULL_POINTER / INVALID_SHAPE / MISALIGNED on bad arguments, MOK_ERROR_CUDA when the

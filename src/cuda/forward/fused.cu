@@ -85,6 +85,7 @@
 #include "cuda/forward/rows.cuh"
 #include "cuda/tile/pipeline.cuh"
 #include "cuda/ptx/tma.cuh"
+#include "common/shape.h"
 #include "common/status.h"
 #include "common/task_plan.h"
 #include "common/workspace.h"
@@ -125,7 +126,6 @@ static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)
 
 typedef struct {
   CUtensorMap x;        // [T, H], box [128, 64]: SHARED_GATE_UP's A
-  CUtensorMap xg;       // [R, H]: GATE_UP's A when the rows were gathered before (l.xg set)
   CUtensorMap wg, wu;   // [E I, H], box [128, 64]
   CUtensorMap a;        // [R, I]: DOWN's A
   CUtensorMap wd;       // [E H, I]
@@ -139,36 +139,46 @@ typedef struct {
   CUtensorMap gs, us;
 } fk_maps_t;
 
-// Task trace (MOK_FUSED_TRACE=<device address>, a tuning aid): each CTA writes one record of
-// FK_TRACE_FIELDS words per task, the n-th at trace + (CTA x FK_TRACE_PER_CTA + n) x
-// FK_TRACE_FIELDS. Consumer warpgroup 0 writes words 0-3: kind << 56 | task number, then
-// %globaltimer when the task's first stage is ready, when its mainloop ends, when its epilogue
-// and release end; the producer writes words 4-5: when the task's dependency is met (it starts
-// loading) and when its first stage is issued; for a tile whose outputs go through the staging
-// buffer, consumer warpgroup 0 also writes words 6-7: when its first store round (GATE_UP: a;
-// DOWN: the first 128 columns) and its last one are issued, so the epilogue splits into the first
-// round, the other rounds and the release. Records past FK_TRACE_PER_CTA are dropped. The
-// caller provides grid x FK_TRACE_PER_CTA x FK_TRACE_FIELDS zeroed words.
-#define FK_TRACE_PER_CTA 2048
-#define FK_TRACE_FIELDS 8
-
+// The kernel's one parameter struct (flat, passed as __grid_constant__), filled by the launcher
+// from mok_fwd_fused_params_t and the layer's tuning. R = capacity rows of the routed buffers.
 typedef struct {
-  mok_fwd_fused_params_t f;
-  uint64_t *trace;      // NULL: no trace
-  uint64_t timeout_ns;
-  uint32_t sgu_base;    // counter index of SGU[0]
-  uint32_t sd_base;     // counter index of SD[0]
-  uint32_t dn_base;     // counter index of DN[0]
-  int32_t shared_band;  // the plan's token tiles per band of the shared expert
-  int32_t lag;          // the plan's lag (fk_lag)
-  int32_t group_m;      // the plan's row tiles per band (src/common/task_plan.h)
-  int32_t gu_staged;    // GATE_UP stores g and u through the staging buffer (STAGED kernels)
-  int32_t a_staged;     // (SHARED_)GATE_UP stores a, g and u through it (STAGED kernels)
-  int32_t defer;        // such tiles release their counter under the next tile (fk_epilogue)
-  int32_t by_last;      // without a shared expert, reduce in the layout's order (fk_reduce_claims)
-  int32_t help_stage;   // expert stage from which 2 producer warps reduce (E: none before the
-                        // last GATE_UP task)
+  int64_t T, H, I, Is, E, K;    // tokens, hidden, intermediate, shared intermediate, local experts
+  const void *x;                // [T, H] bf16
+  void *y;                      // [T, H] bf16
+  const int32_t *status;        // [1] 0: the call's routing was invalid, nothing is computed
+  const int32_t *offsets;       // [E + 1] rows of expert e are [offsets[e], offsets[e + 1])
+  const int32_t *tile_pre;      // [E + 1] row-tile prefix sums
+  const int32_t *slot_row;      // [T, K] row of (token, slot), -1 for an empty slot
+  const float *row_w;           // [R] router weight of each row
+  const int32_t *row_tok;       // [R] token of each row (GATE_UP gathers x through it)
+  const int32_t *red_pre;       // [E + 2] the reduce order's bins (by_last)
+  const int32_t *red_order;     // [T] tokens by their last expert
+  uint32_t *counters;           // the MOK_FC_* counters (src/common/workspace.h)
+  void *err;                    // mok_ws_error_t
+  void *yk;                     // [R, H] bf16 expert outputs
+  float *ys;                    // [T, H] fp32 shared-expert output (NULL when Is = 0)
+  void *a;                      // [R, I] bf16 bf16(w · silu(g) · u)
+  void *as;                     // [T, Is] bf16
+  void *g_out, *u_out;          // [R, I] bf16 (NULL: RECOMPUTE mode)
+  void *gs_out, *us_out;        // [T, Is] bf16 (NULL: RECOMPUTE mode, or Is = 0)
+  uint64_t timeout_ns;          // bound of each wait on a counter
+  uint32_t sgu_base;            // counter index of SGU[0]
+  uint32_t sd_base;             // counter index of SD[0]
+  uint32_t dn_base;             // counter index of DN[0]
+  int32_t shared_band;          // the plan's token tiles per band of the shared expert
+  int32_t lag;                  // the plan's lag (fk_lag)
+  int32_t group_m;              // the plan's row tiles per band (src/common/task_plan.h)
+  int32_t by_last;              // without a shared expert, reduce in the layout's order
+                                // (fk_reduce_claims)
+  int32_t help_stage;           // expert stage from which 2 producer warps reduce (E: none
+                                // before the last GATE_UP task)
 } fk_params_t;
+
+// The kernel of a configuration (STAGED = 1: outputs through the staging buffers) and its dynamic
+// shared memory for E local experts.
+typedef void (*fk_kernel_fn)(fk_params_t, fk_maps_t);
+fk_kernel_fn fk_kernel(int staged);
+size_t fk_smem_bytes(int staged, int64_t E);
 
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
 typedef struct {
@@ -187,7 +197,6 @@ typedef struct {
 __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_maps_t &m,
                                                  const mok_task_plan_t &plan,
                                                  const int32_t *s_off, mok_task_t t) {
-  const mok_fwd_local_params_t &l = p.f.l;
   fk_tile_t d;
   d.kind = t.kind;
   d.wait = -1;
@@ -198,30 +207,30 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
     d.row_end = s_off[e + 1];
     const int tile = MOK_FC_GU + plan.mt_pre[e] + t.m;
     if (t.kind == MOK_TASK_GATE_UP) {
-      d.n0 = 128 * t.n, d.n = (int)p.f.I, d.k_blocks = (int)(l.H / 64);
-      d.a = l.xg ? &m.xg : NULL;
+      d.n0 = 128 * t.n, d.n = (int)p.I, d.k_blocks = (int)(p.H / 64);
+      d.a = NULL;  // rows gathered from x (fk_gather)
       d.b_lo = &m.wg, d.b_hi = &m.wu;
-      d.b_row_lo = d.b_row_hi = e * (int)p.f.I + d.n0;  // gate and up rows of the same columns
+      d.b_row_lo = d.b_row_hi = e * (int)p.I + d.n0;  // gate and up rows of the same columns
       d.done = tile;
     } else {
-      d.n0 = FK_BN * t.n, d.n = (int)l.H, d.k_blocks = (int)(p.f.I / 64);
+      d.n0 = FK_BN * t.n, d.n = (int)p.H, d.k_blocks = (int)(p.I / 64);
       d.a = &m.a;
       d.b_lo = d.b_hi = &m.wd;
-      d.b_row_lo = e * (int)l.H + d.n0, d.b_row_hi = d.b_row_lo + 128;
+      d.b_row_lo = e * (int)p.H + d.n0, d.b_row_hi = d.b_row_lo + 128;
       d.wait = tile, d.wait_target = 2u * (uint32_t)plan.n_gu;
       d.done = (int)p.dn_base + e;
     }
   } else {  // the shared expert: one group of all T tokens
     d.row0 = (int64_t)FK_BM * t.m;
-    d.row_end = l.T;
+    d.row_end = p.T;
     if (t.kind == MOK_TASK_SHARED_GATE_UP) {
-      d.n0 = 128 * t.n, d.n = (int)l.Is, d.k_blocks = (int)(l.H / 64);
+      d.n0 = 128 * t.n, d.n = (int)p.Is, d.k_blocks = (int)(p.H / 64);
       d.a = &m.x;
       d.b_lo = &m.wsg, d.b_hi = &m.wsu;
       d.b_row_lo = d.b_row_hi = d.n0;
       d.done = (int)p.sgu_base + t.m;
     } else {
-      d.n0 = FK_BN * t.n, d.n = (int)l.H, d.k_blocks = (int)(l.Is / 64);
+      d.n0 = FK_BN * t.n, d.n = (int)p.H, d.k_blocks = (int)(p.Is / 64);
       d.a = &m.as;
       d.b_lo = d.b_hi = &m.wsd;
       d.b_row_lo = d.n0, d.b_row_hi = d.n0 + 128;
@@ -232,33 +241,13 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
   return d;
 }
 
-// One thread: field `f` of this CTA's trace record n (when tracing). Each value is stored at once,
-// so no timestamp stays in a register across the mainloop.
-__device__ __forceinline__ void fk_trace(const fk_params_t &p, uint32_t n, int f, uint64_t v) {
-  if (p.trace && n < FK_TRACE_PER_CTA)
-    p.trace[((size_t)blockIdx.x * FK_TRACE_PER_CTA + n) * FK_TRACE_FIELDS + f] = v;
-}
-// Records written by this CTA's tracing thread (consumer warpgroup 0's first thread): in shared
-// memory, so that the epilogue's trace points hold no register.
-__shared__ uint32_t fk_trace_n;
-// In the tracing thread, when tracing: the time now into field `f` of the current record.
-// NOTE: the address first, then the clock, so that no timestamp waits in a register (at 168
-// registers the compiler spilled one there).
-__device__ __forceinline__ void fk_trace_now(const fk_params_t &p, int f) {
-  if (p.trace && threadIdx.x == 128 && fk_trace_n < FK_TRACE_PER_CTA) {
-    volatile uint64_t *dst =
-        p.trace + ((size_t)blockIdx.x * FK_TRACE_PER_CTA + fk_trace_n) * FK_TRACE_FIELDS + f;
-    *dst = ptx_globaltimer_ns();
-  }
-}
-
 // Waits until counter `c` reaches `target` (acquire), or the timeout, or an abort.
 // sleep_ns: between polls. The reduce's claims use 1000: they wait long (a band of shared-expert
 // tiles), from up to ~400 warps at once, on few counters; with 64 ns between polls DeepSeek-V3's
 // forward was 2.6-3.5% slower (bench/NOTES.md v18).
 __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task,
                                      uint32_t sleep_ns = 64) {
-  uint32_t *ctr = p.f.l.counters;
+  uint32_t *ctr = p.counters;
   uint32_t v = ptx_ld_acquire_gpu(ctr + c);
   if (v >= target) return;
   const uint64_t t0 = ptx_globaltimer_ns();
@@ -268,7 +257,7 @@ __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t targe
     if (v >= target) return;
     if (*(volatile uint32_t *)(ctr + MOK_FC_ABORT)) return;
     if (ptx_globaltimer_ns() - t0 > p.timeout_ns) {
-      mok_ws_record_error((mok_ws_error_t *)p.f.l.err, MOK_ERROR_TIMEOUT, MOK_WS_ERR_TIMEOUT, task,
+      mok_ws_record_error((mok_ws_error_t *)p.err, MOK_ERROR_TIMEOUT, MOK_WS_ERR_TIMEOUT, task,
                           c, v, target);
       atomicExch(ctr + MOK_FC_ABORT, 1u);
       return;
@@ -311,8 +300,7 @@ template <int G>
 __device__ __forceinline__ void fk_gather(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
                                           uint8_t *smem, uint64_t *full, uint64_t *empty,
                                           volatile int64_t *s_tag, volatile int4 *s_task,
-                                          int64_t tag, const mok_task_t &task, int lt,
-                                          uint32_t tn) {
+                                          int64_t tag, const mok_task_t &task, int lt) {
   static_assert(G == 2 || G == 4, "rows per thread: 32 / G");
   constexpr int J = 32 / G;
   const int w = lt >> 5, c = lt & 7, r0 = 4 * J * w + ((lt & 31) >> 3);
@@ -322,7 +310,7 @@ __device__ __forceinline__ void fk_gather(const fk_params_t &p, const fk_tile_t 
   for (int j = 0; j < J; j++) {
     const int64_t row = d.row0 + r0 + 4 * j;
     const bool valid = row < d.row_end;
-    src[j] = (const char *)p.f.l.x + (valid ? (int64_t)p.f.l.row_tok[row] * p.f.l.H * 2 : 0) + 16 * c;
+    src[j] = (const char *)p.x + (valid ? (int64_t)p.row_tok[row] * p.H * 2 : 0) + 16 * c;
     bytes[j] = valid ? 16u : 0u;
   }
   for (int kb = 0; kb < d.k_blocks; kb++) {
@@ -335,7 +323,6 @@ __device__ __forceinline__ void fk_gather(const fk_params_t &p, const fk_tile_t 
       ptx_mbar_arrive_expect_tx(bar, fk_plan::B_BYTES);
       ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
       ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
-      if (kb == 0) fk_trace(p, tn, 5, ptx_globaltimer_ns());
       if (G < 4) ptx_mbar_arrive_count(bar, 32 * (4 - G));  // for the warps that reduce
     }
 #pragma unroll
@@ -351,14 +338,12 @@ __device__ __forceinline__ void fk_gather(const fk_params_t &p, const fk_tile_t 
 
 // The producer warps' share of one tile: k_blocks stages, the first tagged with the task number
 // and the task (fk_tag, read by the consumers). lt: thread within the warpgroup (below 32 once
-// warp 0 is alone: then the tile is not a GATE_UP, which fk_gather loads); tn: the task's trace
-// record.
+// warp 0 is alone: then the tile is not a GATE_UP, which fk_gather loads).
 __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
                                            uint8_t *smem, uint64_t *full, uint64_t *empty,
                                            volatile int64_t *s_tag, volatile int4 *s_task,
                                            int64_t tag, const mok_task_t &task, int lt,
-                                           uint32_t tn, int gwarps) {
-  if (lt == 0) fk_trace(p, tn, 4, ptx_globaltimer_ns());
+                                           int gwarps) {
   // NOTE: thread 0 writes the tag after the stage is free (a consumer may not have read the tag
   // of its previous use before) and before its first arrival on the stage's full barrier (a
   // release), so a consumer that saw the phase complete (acquire) reads it.
@@ -374,15 +359,14 @@ __device__ __forceinline__ void fk_produce(const fk_params_t &p, const fk_tile_t
         ptx_tma_load_2d(a_tile, d.a, bar, kb * 64, (int)d.row0);
         ptx_tma_load_2d(b_tile, d.b_lo, bar, kb * 64, d.b_row_lo);
         ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, d.b_hi, bar, kb * 64, d.b_row_hi);
-        if (kb == 0) fk_trace(p, tn, 5, ptx_globaltimer_ns());
         ptx_mbar_arrive_count(bar, 128);  // for the whole warpgroup, which may be warp 0 alone
       }
       tp_ring_advance<FK_STAGES>(ring);
     }
     return;
   }
-  if (gwarps == 2) fk_gather<2>(p, d, ring, smem, full, empty, s_tag, s_task, tag, task, lt, tn);
-  else fk_gather<4>(p, d, ring, smem, full, empty, s_tag, s_task, tag, task, lt, tn);
+  if (gwarps == 2) fk_gather<2>(p, d, ring, smem, full, empty, s_tag, s_task, tag, task, lt);
+  else fk_gather<4>(p, d, ring, smem, full, empty, s_tag, s_task, tag, task, lt);
 }
 
 // A stage without data that only carries a tag to the consumers: a REDUCE task's number, or
@@ -434,7 +418,7 @@ __device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t
                                            int lt) {
   __syncwarp();
   ptx_named_barrier_sync(FK_BAR_C + cw, 128);
-  if (lt == 0) fk_release_by<PENDING>(p.f.l.counters + c, count);
+  if (lt == 0) fk_release_by<PENDING>(p.counters + c, count);
   __syncwarp();
 }
 
@@ -472,7 +456,7 @@ struct fk_deferred_release {
 __shared__ uint32_t s_dpend[2];
 __device__ __forceinline__ void fk_flush_down(const fk_params_t &p, int cw, int lt) {
   if (lt == 0 && s_dpend[cw]) {
-    fk_release_by<0>(p.f.l.counters + (s_dpend[cw] - 1u), 1u);
+    fk_release_by<0>(p.counters + (s_dpend[cw] - 1u), 1u);
     s_dpend[cw] = 0;
   }
 }
@@ -493,59 +477,45 @@ template <int STAGED>
 __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_maps_t &m,
                                                  const fk_tile_t &d, const float (&acc)[128],
                                                  float2 w, uint8_t *stage_c, int cw, int lt) {
-  const mok_fwd_fused_params_t &f = p.f;
   const epi_coords_t e = epi_coords(d.row0, d.row_end, d.n0, d.n, d.n, cw);
   const int bar = FK_BAR_C + cw;
   if (d.kind == MOK_TASK_DOWN) {
     const int64_t row0 = d.row0 + 64 * cw;
     if (STAGED && row0 + 64 <= d.row_end) {  // all 64 rows in the expert: 2 rounds of 128 columns
       epi_store_staged_bf16<0, 0>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, bar, lt);
-      fk_trace_now(p, 6);
       epi_store_staged_bf16<1, 0>(acc, stage_c, &m.yk, d.n0, d.n, (int)row0, bar, lt);
-      fk_trace_now(p, 7);
       if (p.by_last && lt == 0) s_dpend[cw] = (uint32_t)d.done + 1u;  // fk_flush_down
     } else {
-      epi_store_bf16<128>(acc, (__nv_bfloat16 *)f.l.yk, e);
+      epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.yk, e);
       if (p.by_last) fk_release<-1>(p, d.done, 1u, cw, lt);
     }
     return NULL;  // without by_last, the consumer loop counts the tile (MOK_FC_DOWN)
   }
   if (d.kind == MOK_TASK_GATE_UP || d.kind == MOK_TASK_SHARED_GATE_UP) {
     const bool sh = d.kind == MOK_TASK_SHARED_GATE_UP;
-    __nv_bfloat16 *a_out = (__nv_bfloat16 *)(sh ? f.as : f.a);
-    __nv_bfloat16 *g_out = (__nv_bfloat16 *)(sh ? f.gs_out : f.g_out);
-    __nv_bfloat16 *u_out = (__nv_bfloat16 *)(sh ? f.us_out : f.u_out);
+    __nv_bfloat16 *a_out = (__nv_bfloat16 *)(sh ? p.as : p.a);
+    __nv_bfloat16 *g_out = (__nv_bfloat16 *)(sh ? p.gs_out : p.g_out);
+    __nv_bfloat16 *u_out = (__nv_bfloat16 *)(sh ? p.us_out : p.u_out);
     const int64_t row0 = d.row0 + 64 * cw;
-    if (STAGED && p.a_staged && row0 + 64 <= d.row_end) {
+    if (STAGED && row0 + 64 <= d.row_end) {
       // a first: the release below (which DOWN waits for) waits only for its bulk group, while g
       // and u (only the backward reads them) drain under the next tile.
       epi_store_staged<0, 1, 0>(acc, stage_c, sh ? &m.as_st : &m.a_st, w, d.n0, d.n, (int)row0,
                                 bar, lt);
-      fk_trace_now(p, 6);
       if (g_out && u_out) {
         epi_store_staged<0, 0, 0>(acc, stage_c, sh ? &m.gs : &m.g, w, d.n0, d.n, (int)row0, bar,
                                   lt);
         epi_store_staged<16, 0, 0>(acc, stage_c, sh ? &m.us : &m.u, w, d.n0, d.n, (int)row0, bar,
                                    lt);
-        fk_trace_now(p, 7);
-        if (p.defer) return p.f.l.counters + d.done;  // fk_deferred_release
-        fk_release<2>(p, d.done, 1u, cw, lt);
+        return p.counters + d.done;  // fk_deferred_release
       } else {
-        fk_trace_now(p, 7);
         fk_release<0>(p, d.done, 1u, cw, lt);
       }
       return NULL;
     }
-    if (STAGED && !sh && p.gu_staged && g_out && u_out && row0 + 64 <= d.row_end) {
-      // MOK_FUSED_A_STAGED=0: g and u through the staging buffer, a from registers.
-      epi_store_staged<0, 0, 0>(acc, stage_c, &m.g, w, d.n0, d.n, (int)row0, bar, lt);
-      epi_store_swiglu<128>(acc, a_out, NULL, NULL, w, e);
-      epi_store_staged<16, 0, 0>(acc, stage_c, &m.u, w, d.n0, d.n, (int)row0, bar, lt);
-    } else {
-      epi_store_swiglu<128>(acc, a_out, g_out, u_out, w, e);
-    }
+    epi_store_swiglu<128>(acc, a_out, g_out, u_out, w, e);
   } else {
-    epi_store_f32<128, false>(acc, (float *)f.l.ys, e);
+    epi_store_f32<128, false>(acc, (float *)p.ys, e);
   }
   fk_release<-1>(p, d.done, 1u, cw, lt);
   return NULL;
@@ -570,29 +540,28 @@ __device__ __forceinline__ uint32_t fk_dn_target(const mok_task_plan_t &plan, in
 // reduce on all 12 warps took 308 us instead of 330 at Qwen3-235B (bench/NOTES.md v19).
 // NOTE (deadlock freedom): a token waits only on tile tasks, which wait on nothing a reduce does.
 __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_task_plan_t &plan) {
-  const mok_fwd_local_params_t &l = p.f.l;
   const int lane = threadIdx.x & 31;
   // REDUCE(0)'s task number (a timed-out wait reports the REDUCE task of its token)
-  const int64_t H8 = l.H / 8, reduce0 = mok_plan_num_tasks(&plan) - plan.t_tiles;
+  const int64_t H8 = p.H / 8, reduce0 = mok_plan_num_tasks(&plan) - plan.t_tiles;
   const bool by_last = p.by_last;  // (the host sets it only without a shared expert)
   int32_t bin = 0;         // (lane 0) the bin of the last claim (by_last)
   int32_t ready = 0;       // experts 0 .. ready - 1 have all their DOWN tiles done
   int64_t tile_done = -1;  // (lane 0) token tiles up to this one: their shared tiles are done
   for (;;) {
-    int64_t t = l.T;
+    int64_t t = p.T;
     int32_t need = plan.E;  // experts whose DOWN tiles the token needs: 0 .. need - 1
     if (lane == 0) {
-      const int64_t c = (int64_t)atomicAdd(l.counters + MOK_FC_CLAIM, 1u);
-      if (c < l.T && by_last) {
-        while (l.red_pre[bin + 1] <= c) bin++;
-        t = l.red_order[c];
+      const int64_t c = (int64_t)atomicAdd(p.counters + MOK_FC_CLAIM, 1u);
+      if (c < p.T && by_last) {
+        while (p.red_pre[bin + 1] <= c) bin++;
+        t = p.red_order[c];
         need = bin;
-      } else if (c < l.T) {
+      } else if (c < p.T) {
         t = c;
       }
     }
     t = __shfl_sync(0xffffffffu, t, 0);
-    if (t >= l.T) return;
+    if (t >= p.T) return;
     need = __shfl_sync(0xffffffffu, need, 0);
     const int64_t tile = t / FK_BM;
     if (!by_last && ready < plan.E) {  // every DOWN tile, counted in MOK_FC_DOWN
@@ -608,7 +577,7 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
       const int32_t e = ready + lane;
       bool done = true;
       if (e < need)
-        done = ptx_ld_acquire_gpu(l.counters + p.dn_base + e) >= fk_dn_target(plan, e);
+        done = ptx_ld_acquire_gpu(p.counters + p.dn_base + e) >= fk_dn_target(plan, e);
       const uint32_t ok = __ballot_sync(0xffffffffu, done);
       if (ok == 0xffffffffu) {
         ready = ready + 32 < need ? ready + 32 : need;
@@ -625,25 +594,24 @@ __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_ta
       tile_done = tile;
     }
     __syncwarp();  // each lane's acquire (and lane 0's waits) order the other lanes' reads too
-    rl_reduce_token<2>(l.slot_row + t * l.K, l.K, H8, (const uint4 *)l.yk,
-                       l.ys ? (const float4 *)l.ys + t * (H8 * 2) : NULL, (uint4 *)l.y + t * H8,
+    rl_reduce_token<2>(p.slot_row + t * p.K, p.K, H8, (const uint4 *)p.yk,
+                       p.ys ? (const float4 *)p.ys + t * (H8 * 2) : NULL, (uint4 *)p.y + t * H8,
                        lane);
   }
 }
 
-template <int STAGED, int ORDERED>
+template <int STAGED>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     fk_forward_kernel(const __grid_constant__ fk_params_t p, const __grid_constant__ fk_maps_t m) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const mok_fwd_local_params_t &l = p.f.l;
-  if (*(volatile int32_t *)l.status == 0) return;  // invalid routing: the call computes nothing
+  if (*(volatile int32_t *)p.status == 0) return;  // invalid routing: the call computes nothing
   extern __shared__ uint8_t smem_raw[];
   uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
   uint64_t *full = (uint64_t *)(smem + fk_cfg<STAGED>::P::FULL_OFFSET);
   uint64_t *empty = (uint64_t *)(smem + fk_cfg<STAGED>::P::EMPTY_OFFSET);
   typedef typename fk_cfg<STAGED>::P P;
   // offsets: read through the read-only cache (written by the layout kernel, before this launch)
-  const int32_t *s_off = l.offsets;
+  const int32_t *s_off = p.offsets;
   int32_t *s_pre = (int32_t *)(smem + P::BYTES);  // [E + 1]
 
   if (threadIdx.x == 0) {
@@ -653,8 +621,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     }
     ptx_fence_mbarrier_init();
   }
-  for (int64_t e = threadIdx.x; e <= l.E; e += blockDim.x) {
-    s_pre[e] = l.tile_pre[e];
+  for (int64_t e = threadIdx.x; e <= p.E; e += blockDim.x) {
+    s_pre[e] = p.tile_pre[e];
   }
   // The plan lives in shared memory: registers are short in the consumers (128 accumulators).
   // NOTE: thread 0 builds it from all of s_pre, so only after every thread's loads above.
@@ -663,12 +631,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   __syncthreads();
   if (threadIdx.x == 0) {
     mok_task_plan_t q;
-    q.E = (int32_t)l.E;
-    q.n_gu = (int32_t)(p.f.I / 128);
-    q.n_down = (int32_t)((l.H + FK_BN - 1) / FK_BN);
-    q.n_sgu = (int32_t)(l.Is / 128);
-    q.n_sd = l.Is > 0 ? q.n_down : 0;
-    q.t_tiles = (int32_t)((l.T + FK_BM - 1) / FK_BM);
+    q.E = (int32_t)p.E;
+    q.n_gu = (int32_t)(p.I / 128);
+    q.n_down = (int32_t)((p.H + FK_BN - 1) / FK_BN);
+    q.n_sgu = (int32_t)(p.Is / 128);
+    q.n_sd = p.Is > 0 ? q.n_down : 0;
+    q.t_tiles = (int32_t)((p.T + FK_BM - 1) / FK_BM);
     q.mt_pre = s_pre;
     q.lag = p.lag;
     q.group_m = p.group_m;
@@ -710,8 +678,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                                                     : gather_end;
     int gwarps = 4;
     bool reduce = false;  // this thread's warp reduces after the loop (fk_reduce_claims)
-    for (uint32_t k = 0;; k++) {  // k: this CTA's task count = its trace record
-      if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(l.counters + MOK_FC_TICKET, 1u);
+    for (uint32_t k = 0;; k++) {  // k: this CTA's task count (s_ticket's buffer)
+      if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(p.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
       ptx_named_barrier_sync(FK_BAR_P, 32 * gwarps);
       const int64_t i = s_ticket[k & 1];
@@ -742,15 +710,13 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         fk_wait(p, d.wait, d.wait_target, i);
         ptx_fence_proxy_async_global();  // a was stored by other SMs' generic stores
       }
-      fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, k, gwarps);
+      fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, gwarps);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     if (reduce) fk_reduce_claims(p, plan);
   } else {
     const int cw = wg - 1;
     uint8_t *stage_c = smem + P::C_OFFSET + cw * fk_cfg<STAGED>::WG_C_BYTES;  // STAGED only
-    const bool tracer = cw == 0 && lt == 0;  // threadIdx.x == 128: fk_trace_now's thread
-    if (tracer) fk_trace_n = 0;
     if (lt == 0) s_dpend[cw] = 0;
     // Without by_last: DOWN tiles of this warpgroup, counted by the thread that releases them (in
     // shared memory: the registers beside the accumulators are few), and whether they are added to
@@ -782,28 +748,23 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, lt == 0 ? s_down_tiles[cw] : 0u, cw, lt);
           down_out = true;
         }
-        if (tracer) fk_trace(p, fk_trace_n, 0, (uint64_t)t.kind << 56 | (uint64_t)i);
-        fk_trace_now(p, 1);
         // Only what the mainloop needs is computed before it (the 128 accumulators leave few
         // registers); the rest of the tile's description after.
         const bool routed = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_DOWN;
         const int64_t row0 = (routed ? s_off[t.expert] : 0) + (int64_t)FK_BM * t.m;
-        const int64_t row_end = routed ? s_off[t.expert + 1] : l.T;
+        const int64_t row_end = routed ? s_off[t.expert + 1] : p.T;
         float2 w = make_float2(1.0f, 1.0f);
         if (t.kind == MOK_TASK_GATE_UP)  // loaded before the mainloop: latency hides behind it
-          w = epi_row_scales(l.row_w, epi_coords(row0, row_end, 0, 0, 0, cw));
-        const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? l.H
-                          : t.kind == MOK_TASK_DOWN                                     ? p.f.I
-                                                                                        : l.Is;
-        tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 1, 0, ORDERED>(
+          w = epi_row_scales(p.row_w, epi_coords(row0, row_end, 0, 0, 0, cw));
+        const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? p.H
+                          : t.kind == MOK_TASK_DOWN                                     ? p.I
+                                                                                        : p.Is;
+        tp_consume_tile_bf16_n256<FK_BM, FK_STAGES, 0, 0>(
             &ring, smem, full, empty, (int)(k / 64), cw, row0 + 64 * cw >= row_end, acc,
             fk_deferred_release{pending, lt}, fk_down_flush{p, cw, lt});
-        fk_trace_now(p, 2);
         pending =
             fk_epilogue<STAGED>(p, m, fk_describe(p, m, plan, s_off, t), acc, w, stage_c, cw, lt);
         if (lt == 0 && t.kind == MOK_TASK_DOWN) s_down_tiles[cw]++;
-        fk_trace_now(p, 3);
-        if (tracer) fk_trace_n++;
       }
     }
     fk_deferred_release{pending, lt}();  // before REDUCE waits (and whatever waits on it)
@@ -811,20 +772,20 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     if (!down_out)
       fk_release<STAGED ? 0 : -1>(p, MOK_FC_DOWN, lt == 0 ? s_down_tiles[cw] : 0u, cw, lt);
     if (i >= 0) {  // a REDUCE tag: reduce until the tokens are gone, then the end tag
-      if (tracer) {
-        const uint64_t now = ptx_globaltimer_ns();
-        fk_trace(p, fk_trace_n, 0, (uint64_t)MOK_TASK_REDUCE << 56 | (uint64_t)i);
-        fk_trace(p, fk_trace_n, 1, now);
-        fk_trace(p, fk_trace_n, 2, now);
-      }
       fk_skip(&ring, empty);
       fk_reduce_claims(p, plan);
-      if (tracer) fk_trace(p, fk_trace_n++, 3, ptx_globaltimer_ns());
       i = fk_peek(&ring, full, s_tag);
     }
     fk_skip(&ring, empty);
   }
 #endif
+}
+
+
+fk_kernel_fn fk_kernel(int staged) { return staged ? fk_forward_kernel<1> : fk_forward_kernel<0>; }
+
+size_t fk_smem_bytes(int staged, int64_t E) {
+  return staged ? fk_cfg<1>::bytes(E) : fk_cfg<0>::bytes(E);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -833,20 +794,53 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 
 static int fk_a16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
-// The plan's lag (src/common/task_plan.h) in expert stages: enough that the tasks between an expert's
-// GATE_UP tiles and its DOWN tiles exceed one wave of the grid, from the average rows per expert
-// (the host does not know the real counts), and at least 3: at Qwen3-235B and DeepSeek-V3 (2 by
-// the first rule) 3 was as fast or faster in 7 of 8 same-run comparisons, by 0-2% (bench/NOTES.md
-// v12, v16). MOK_FUSED_LAG=n overrides it (a tuning knob; the bits never depend on it).
-static int32_t fk_lag(const mok_fwd_fused_params_t *p, int grid) {
-  const char *env = getenv("MOK_FUSED_LAG");
-  if (env && atoi(env) > 0) return atoi(env);
+// The plan's lag (src/common/task_plan.h) in expert stages: enough that the tasks between an
+// expert's GATE_UP tiles and its DOWN tiles exceed one wave of the grid, from the average rows
+// per expert (the host does not know the real counts), and at least 3: at Qwen3-235B and
+// DeepSeek-V3 (2 by the first rule) 3 was as fast or faster in 7 of 8 same-run comparisons, by
+// 0-2% (docs/performance.md, "Fused forward: task order and lag"). The tuning's fused_lag, when
+// set, overrides it (the bits never depend on it).
+static int32_t fk_lag(const mok_fwd_fused_params_t *p, const mok_tuning_t *t, int grid) {
   const mok_fwd_local_params_t *l = &p->l;
+  if (t->fused_lag > 0) return (int32_t)(t->fused_lag > l->E ? l->E : t->fused_lag);
   const int64_t tiles = (l->T * l->K / l->E + FK_BM - 1) / FK_BM + 1;  // row tiles per expert
   const int64_t per_stage = tiles * (p->I / 128 + (l->H + FK_BN - 1) / FK_BN);
   int64_t lag = (grid + per_stage - 1) / per_stage + 1;
   if (lag < 3) lag = 3;
   return (int32_t)(lag > l->E ? l->E : lag);
+}
+
+// The tensor maps of one call (NULL-free: maps of absent tensors alias one that exists and are
+// never read or written).
+static int fk_encode_maps(const mok_fwd_fused_params_t *p, fk_maps_t *m) {
+  const mok_fwd_local_params_t *l = &p->l;
+  const uint64_t T = (uint64_t)l->T, H = (uint64_t)l->H, I = (uint64_t)p->I, Is = (uint64_t)l->Is,
+                 E = (uint64_t)l->E, R = (uint64_t)l->capacity_rows;
+  const int shared = l->Is > 0, save = p->g_out && p->u_out,
+            shared_save = shared && p->gs_out && p->us_out;
+  const int bad =
+      tma_encode_bf16_sw128(&m->x, l->x, T, H, 128) ||
+      tma_encode_bf16_sw128(&m->wg, p->wg, E * I, H, 128) ||
+      tma_encode_bf16_sw128(&m->wu, p->wu, E * I, H, 128) ||
+      tma_encode_bf16_sw128(&m->a, p->a, R, I, 128) ||
+      tma_encode_bf16_sw128(&m->wd, p->wd, E * H, I, 128) ||
+      tma_encode_bf16_sw128(&m->yk, l->yk, R, H, 64) ||
+      tma_encode_bf16_sw128(&m->a_st, p->a, R, I, 64) ||
+      (save && (tma_encode_bf16_sw128(&m->g, p->g_out, R, I, 64) ||
+                tma_encode_bf16_sw128(&m->u, p->u_out, R, I, 64))) ||
+      (shared && (tma_encode_bf16_sw128(&m->as, p->as, T, Is, 128) ||
+                  tma_encode_bf16_sw128(&m->wsg, p->wsg, Is, H, 128) ||
+                  tma_encode_bf16_sw128(&m->wsu, p->wsu, Is, H, 128) ||
+                  tma_encode_bf16_sw128(&m->wsd, p->wsd, H, Is, 128) ||
+                  tma_encode_bf16_sw128(&m->as_st, p->as, T, Is, 64))) ||
+      (shared_save && (tma_encode_bf16_sw128(&m->gs, p->gs_out, T, Is, 64) ||
+                       tma_encode_bf16_sw128(&m->us, p->us_out, T, Is, 64)));
+  if (bad) return 1;
+  if (!shared) m->as = m->wsg = m->wsu = m->wsd = m->x;  // never read
+  if (!shared) m->as_st = m->yk;                           // never written
+  if (!shared_save) m->gs = m->us = m->yk;
+  if (!save) m->g = m->u = m->yk;
+  return 0;
 }
 
 extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, void *stream) {
@@ -860,28 +854,13 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
       (shared && (!p->wsg || !p->wsu || !p->wsd || !p->as || !l->ys)))
     return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "fused forward launch: NULL buffer");
   const int64_t T = l->T, H = l->H, I = p->I, Is = l->Is, E = l->E, R = l->capacity_rows;
-  if (E < 1 || E > MOK_MAX_EXPERTS || l->K < 1 || l->K > MOK_MAX_TOP_K || T < 0 ||
-      H < 128 || H % 128 || I < 128 || I % 128 || Is < 0 || Is % 128 || R < 1 ||
-      R >= INT32_MAX || T >= INT32_MAX || E * I >= INT32_MAX || E * H >= INT32_MAX ||
-      l->n_counters < mok_fc_count(R, E, T))
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "fused forward launch: T = %lld, H = %lld, I = %lld, Is = %lld, E = %lld, "
-                    "R = %lld out of range (H, I, Is multiples of 128)",
-                    (long long)T, (long long)H, (long long)I, (long long)Is, (long long)E,
-                    (long long)R);
-  {
-    // The tasks are dealt by a 32-bit ticket counter (each CTA takes one past the last), and the
-    // plan's tile arithmetic (mok_plan_tile) divides in 32 bits below 2^31 tiles: bound the count
-    // the plan can reach. Row tiles over all experts: at most R / 128 + E (one partial per expert).
-    const int64_t h_tiles = (H + FK_BN - 1) / FK_BN, t_tiles = (T + FK_BM - 1) / FK_BM;
-    const int64_t most = (R / FK_BM + E) * (I / 128 + h_tiles) +
-                         t_tiles * (Is / 128 + (Is > 0 ? h_tiles : 0) + 1);
-    if (most > INT32_MAX / 2)
-      return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                      "fused forward launch: up to %lld tasks (R = %lld, I = %lld, H = %lld), "
-                      "more than the task counter deals (2^30)",
-                      (long long)most, (long long)R, (long long)I, (long long)H);
-  }
+  const mok_shape_t shape = {T, H, I, Is, E, l->K, R};
+  char why[256];
+  if (mok_shape_check(&shape, why, sizeof(why)) != MOK_SUCCESS)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "fused forward launch: %s", why);
+  if (l->n_counters < mok_fc_count(R, E, T))
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "fused forward launch: %lld counters, %lld "
+                    "needed", (long long)l->n_counters, (long long)mok_fc_count(R, E, T));
   if (!fk_a16(l->x) || !fk_a16(l->y) || !fk_a16(l->yk) || !fk_a16(p->wg) || !fk_a16(p->wu) ||
       !fk_a16(p->wd) || !fk_a16(p->a) || (p->g_out && !fk_a16(p->g_out)) ||
       (p->u_out && !fk_a16(p->u_out)) ||
@@ -889,103 +868,64 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
                   !fk_a16(l->ys))))
     return mok_fail(NULL, MOK_ERROR_MISALIGNED, "fused forward launch: a tensor is not 16-byte "
                     "aligned");
+  mok_tuning_t defaults;
+  const mok_tuning_t *tu = p->tuning;
+  if (!tu) {
+    mok_tuning_default(&defaults);  // an invalid MOK_DEBUG_TIMEOUT_S leaves the defaults
+    tu = &defaults;
+  }
   if (T == 0) return MOK_SUCCESS;
 
   fk_params_t kp;
   memset(&kp, 0, sizeof(kp));
-  kp.f = *p;
-  // The bound of each wait: the caller's, else MOK_FUSED_TIMEOUT_S (a debugging aid: a wait that
-  // times out names its counter and task in the error word), else 10 s.
-  const char *te = getenv("MOK_FUSED_TIMEOUT_S");
-  const double timeout_s = p->timeout_s > 0 ? p->timeout_s : te && atof(te) > 0 ? atof(te) : 10.0;
-  kp.timeout_ns = (uint64_t)(timeout_s * 1e9);
+  kp.T = T, kp.H = H, kp.I = I, kp.Is = Is, kp.E = E, kp.K = l->K;
+  kp.x = l->x, kp.y = l->y;
+  kp.status = l->status, kp.offsets = l->offsets, kp.tile_pre = l->tile_pre;
+  kp.slot_row = l->slot_row, kp.row_w = l->row_w, kp.row_tok = l->row_tok;
+  kp.red_pre = l->red_pre, kp.red_order = l->red_order;
+  kp.counters = l->counters, kp.err = l->err;
+  kp.yk = (void *)l->yk, kp.ys = (float *)l->ys;
+  kp.a = p->a, kp.as = p->as;
+  kp.g_out = p->g_out, kp.u_out = p->u_out, kp.gs_out = p->gs_out, kp.us_out = p->us_out;
+  kp.timeout_ns = (uint64_t)((p->timeout_s > 0 ? p->timeout_s : tu->timeout_s) * 1e9);
   kp.sgu_base = (uint32_t)mok_fc_sgu(R, E);
   kp.sd_base = (uint32_t)mok_fc_sd(R, E, T);
   kp.dn_base = (uint32_t)mok_fc_dn(R, E, T);
-  // Token tiles per band of the shared expert (src/common/task_plan.h): 8, or MOK_FUSED_SHARED_BAND.
-  const char *sbe = getenv("MOK_FUSED_SHARED_BAND");
-  kp.shared_band = sbe && atoi(sbe) > 0 ? atoi(sbe) : 8;
-  const char *tr = getenv("MOK_FUSED_TRACE");  // a device address (tuning aid, see FK_TRACE_*)
-  kp.trace = tr && tr[0] ? (uint64_t *)(uintptr_t)strtoull(tr, NULL, 0) : NULL;
+  kp.shared_band = tu->fused_shared_band;
+  // The reduce helpers from expert stage help_stage (src/common/task_plan.h's stages): by default
+  // at 85% of the expert stages without a shared expert (about when the first tokens have all
+  // their experts' DOWN tiles done), none with one (its tokens wait for the shared expert, which
+  // comes last).
+  const int help_pct = tu->fused_help_pct >= 0 ? tu->fused_help_pct : shared ? 100 : 85;
+  kp.help_stage = (int32_t)(E * help_pct / 100);
+  // With helpers during the expert stages, the reduce in the layout's order (tokens by their last
+  // expert, fk_reduce_claims); else in token order after every DOWN tile, counted at once per
+  // warpgroup (MOK_FC_DOWN): without early helpers no token is reduced before the expert stages
+  // end, so the order buys nothing and per-expert releases would only add work to every DOWN
+  // tile.
+  kp.by_last = !shared && kp.help_stage < E;
 
   fk_maps_t m;
-  const int bad =
-      tma_encode_bf16_sw128(&m.x, l->x, (uint64_t)T, (uint64_t)H, 128) ||
-      (l->xg && tma_encode_bf16_sw128(&m.xg, l->xg, (uint64_t)R, (uint64_t)H, 128)) ||
-      tma_encode_bf16_sw128(&m.wg, p->wg, (uint64_t)(E * I), (uint64_t)H, 128) ||
-      tma_encode_bf16_sw128(&m.wu, p->wu, (uint64_t)(E * I), (uint64_t)H, 128) ||
-      tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)R, (uint64_t)I, 128) ||
-      tma_encode_bf16_sw128(&m.wd, p->wd, (uint64_t)(E * H), (uint64_t)I, 128) ||
-      tma_encode_bf16_sw128(&m.yk, l->yk, (uint64_t)R, (uint64_t)H, 64) ||
-      tma_encode_bf16_sw128(&m.a_st, p->a, (uint64_t)R, (uint64_t)I, 64) ||
-      (p->g_out && p->u_out &&
-       (tma_encode_bf16_sw128(&m.g, p->g_out, (uint64_t)R, (uint64_t)I, 64) ||
-        tma_encode_bf16_sw128(&m.u, p->u_out, (uint64_t)R, (uint64_t)I, 64))) ||
-      (shared && (tma_encode_bf16_sw128(&m.as, p->as, (uint64_t)T, (uint64_t)Is, 128) ||
-                  tma_encode_bf16_sw128(&m.wsg, p->wsg, (uint64_t)Is, (uint64_t)H, 128) ||
-                  tma_encode_bf16_sw128(&m.wsu, p->wsu, (uint64_t)Is, (uint64_t)H, 128) ||
-                  tma_encode_bf16_sw128(&m.wsd, p->wsd, (uint64_t)H, (uint64_t)Is, 128) ||
-                  tma_encode_bf16_sw128(&m.as_st, p->as, (uint64_t)T, (uint64_t)Is, 64))) ||
-      (shared && p->gs_out && p->us_out &&
-       (tma_encode_bf16_sw128(&m.gs, p->gs_out, (uint64_t)T, (uint64_t)Is, 64) ||
-        tma_encode_bf16_sw128(&m.us, p->us_out, (uint64_t)T, (uint64_t)Is, 64)));
-  if (bad)
+  if (fk_encode_maps(p, &m))
     return mok_fail(NULL, MOK_ERROR_CUDA, "fused forward launch: encoding a TMA tensor map failed "
                     "(no CUDA driver with cuTensorMapEncodeTiled?)");
-  if (!shared) m.as = m.wsg = m.wsu = m.wsd = m.x;  // never read
-  if (!shared) m.as_st = m.yk;                         // never written
-  if (!(shared && p->gs_out && p->us_out)) m.gs = m.us = m.yk;
-  if (!l->xg) m.xg = m.x;
-  if (!(p->g_out && p->u_out)) m.g = m.u = m.yk;  // never written
-  // g and u through the staging buffer (STAGED kernels) unless MOK_FUSED_GU_STAGED=0.
-  const char *gs = getenv("MOK_FUSED_GU_STAGED");
-  kp.gu_staged = p->g_out && p->u_out && !(gs && gs[0] == '0');
-  // a too (and the shared expert's as, gs, us), unless MOK_FUSED_A_STAGED=0 or
-  // MOK_FUSED_GU_STAGED=0.
-  const char *as_env = getenv("MOK_FUSED_A_STAGED");
-  kp.a_staged = !(gs && gs[0] == '0') && !(as_env && as_env[0] == '0');
-  // Their release under the next tile's first wgmmas (fk_deferred_release), unless
-  // MOK_FUSED_DEFER=0.
-  const char *df = getenv("MOK_FUSED_DEFER");
-  kp.defer = !(df && df[0] == '0');
-  // The reduce helpers from expert stage help_stage (src/common/task_plan.h's stages): at 85% of the
-  // expert stages without a shared expert (about when the first tokens have all their experts'
-  // DOWN tiles done), none with one (its tokens wait for the shared expert, which comes last);
-  // MOK_FUSED_HELP_AT=<percent of E> sets it (100: none).
-  const char *ha = getenv("MOK_FUSED_HELP_AT");
-  const int help_pct = ha && ha[0] ? atoi(ha) : (shared ? 100 : 85);
-  kp.help_stage = (int32_t)(E * (help_pct < 0 ? 0 : help_pct > 100 ? 100 : help_pct) / 100);
-  // With helpers during the expert stages, the reduce in the layout's order (tokens by their last
-  // expert, fk_reduce_claims) unless MOK_FUSED_REDUCE_ORDER=0; else in token order after every
-  // DOWN tile, counted at once per warpgroup (MOK_FC_DOWN): without early helpers no token is
-  // reduced before the expert stages end, so the order buys nothing and per-expert releases would
-  // only add work to every DOWN tile.
-  const char *ro = getenv("MOK_FUSED_REDUCE_ORDER");
-  kp.by_last = !shared && kp.help_stage < E && !(ro && ro[0] == '0');
 
+  // Staged stores (fk_cfg) when their buffers fit next to the E + 1 prefix sums (E up to about
+  // 480); else stores from registers.
   int device = 0, sms = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  // Staged stores (fk_cfg) when their buffers fit (E up to about 480), unless MOK_FUSED_STAGED=0.
-  const char *st = getenv("MOK_FUSED_STAGED");
-  int staged = st && st[0] == '0' ? 0 : 1;
-  // The consumer warpgroups issue each stage in turns (tile/pipeline.cuh) when MOK_FUSED_ORDER=1.
-  const char *oe = getenv("MOK_FUSED_ORDER");
-  const int ordered = oe && oe[0] == '1';
-  void (*const kernels[2][2])(fk_params_t, fk_maps_t) = {
-      {fk_forward_kernel<0, 0>, fk_forward_kernel<0, 1>},
-      {fk_forward_kernel<1, 0>, fk_forward_kernel<1, 1>}};
-  const size_t bytes[2] = {fk_cfg<0>::bytes(E), fk_cfg<1>::bytes(E)};
+  int staged = 1;
   cudaFuncAttributes fa;
   for (; e == cudaSuccess && staged > 0; staged--) {
     memset(&fa, 0, sizeof(fa));
-    e = cudaFuncGetAttributes(&fa, kernels[staged][ordered]);
-    if (e == cudaSuccess && bytes[staged] + fa.sharedSizeBytes <= (size_t)optin) break;
+    e = cudaFuncGetAttributes(&fa, fk_kernel(staged));
+    if (e == cudaSuccess && fk_smem_bytes(staged, E) + fa.sharedSizeBytes <= (size_t)optin) break;
   }
-  void (*kernel)(fk_params_t, fk_maps_t) = kernels[staged][ordered];
-  const size_t smem = bytes[staged];
+  const fk_kernel_fn kernel = fk_kernel(staged);
+  const size_t smem = fk_smem_bytes(staged, E);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e == cudaSuccess)
@@ -998,9 +938,9 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   }
   const int resident = sms * per_sm;
   const int grid = p->num_sms > 0 && p->num_sms < resident ? p->num_sms : resident;
-  kp.lag = fk_lag(p, grid);
+  kp.lag = fk_lag(p, tu, grid);
   // Row tiles per band of the plan's blocks: by the size of an expert's gate and up weights.
-  kp.group_m = mok_tile_group_m(2 * I * H * 2);
+  kp.group_m = mok_tile_group_m(tu->tile_group_m, 2 * I * H * 2);
 
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));

@@ -71,6 +71,7 @@ typedef struct {
                                 (>= m_total, a multiple of 4; a_scale 16-byte aligned): each K
                                 block's row scales are then contiguous, and the kernel loads a
                                 tile's with the tile's operands (faster) */
+  int group_m; /* row tiles per band of the tile order: 0 = by B's size against the L2 (the default), -1 = none, n > 0 = n */
 } mok_grouped_gemm_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,
@@ -80,13 +81,13 @@ typedef struct {
  * row strides for TMA); SwiGLU also needs b2. */
 mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *stream);
 
-/* Row tiles per band of a grouped GEMM's tile order (tile_scheduler.cuh, src/task_plan.h), for
- * groups whose B (weights) takes b_bytes: 8 when that is over a sixth of the device's L2 cache,
- * so that the tiles that share a B tile are taken together (else B comes from HBM up to twice:
- * less HBM traffic, less power, a higher clock at the power limit); else 0, row tile by row tile,
- * which measured as fast for small B (bench/NOTES.md, v11, v16, v22). MOK_TILE_GROUP=n sets n
- * (0: off). */
-int mok_tile_group_m(int64_t b_bytes);
+/* Row tiles per band of a grouped GEMM's tile order (tile/scheduler.cuh, src/common/task_plan.h):
+ * `requested` when it is not 0 (-1: none), else by the size of the groups' B (weights): 8 when
+ * b_bytes is over a sixth of the device's L2 cache, so that the tiles that share a B tile are
+ * taken together (else B comes from HBM up to twice: less HBM traffic, less power, a higher clock
+ * at the power limit); else 0, row tile by row tile, which measured as fast for small B
+ * (docs/performance.md, "Grouped GEMM: tile order and L2 bands"). */
+int mok_tile_group_m(int requested, int64_t b_bytes);
 
 /* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
  * (pointers, int32 offsets, one CTA per SM): the callers fill in their tensors. */

@@ -11,14 +11,13 @@
  * Group sizes are read from device memory by every CTA (tile/scheduler.cuh); the host never
  * synchronizes.
  *
- * Configurations (compile-time, one dispatch table in mok_grouped_gemm_launch):
- *   staged  (default for bf16 outputs and fp32 stores): 3 stages + 64 KB output staging, TMA
- *           bulk stores that drain while the next tile's MMA runs (fp32: two rounds of 32 KB per
- *           warpgroup); partial row tiles fall back to direct stores; MOK_GG_STAGES=4 (bf16
- *           only): 4 stages + 32 KB staging in two rounds;
- *   direct  (MOK_GG_TMA_STORE=0; always for fp32 accumulation): 4 stages, stores from registers;
- *   cluster (MOK_GG_CLUSTER=2, K-major B, bf16 outputs): staged + 2-CTA clusters multicasting B.
- * Measured on an H200 in bench/NOTES.md.
+ * Two configurations, fixed by the epilogue (gg_cfg; one dispatch table in
+ * mok_grouped_gemm_launch):
+ *   staged (bf16 outputs, SwiGLU, fp32 stores): 3 stages + 64 KB of output staging, TMA bulk
+ *          stores that drain while the next tile's MMA runs (fp32: two rounds of 32 KB per
+ *          warpgroup); partial row tiles fall back to stores from registers;
+ *   direct (fp32 accumulation): 4 stages, stores from registers.
+ * Measured on an H200 in docs/performance.md ("Grouped GEMM").
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -36,19 +35,22 @@
 
 enum { GG_BM = 128, GG_BN = 256, GG_BK_BF16 = 64 };
 
-// Configurations, chosen per launch (see the launcher):
-//   direct: 4 stages, the epilogue stores from registers (fp32 accumulation always uses this);
-//   staged (default for bf16 outputs and fp32 stores), 3 stages + 64 KB of output staging: each
-//           consumer warpgroup stages its whole [64, 256] bf16 piece (fp32: in two rounds of 128
-//           columns) and leaves it to TMA bulk stores;
-//   staged, 4 stages + 32 KB (MOK_GG_STAGES=4): 128 columns at a time, the second round waiting
-//           until the copy engine has read the first.
+// The configuration of an epilogue:
+//   direct (fp32 accumulation): 4 stages, the epilogue stores from registers; staged through TMA's
+//           reduce-add it was slower (below, at the launcher);
+//   staged (every other epilogue), 3 stages + 64 KB of output staging: each consumer warpgroup
+//           stages its whole [64, 256] bf16 piece (fp32: in two rounds of 128 columns) and leaves
+//           it to TMA bulk stores.
 // NOTE: a consumer holds two stages at a time (the block it issues and the one still in flight),
-// so 3 stages leave the producer 1 block of lookahead; still, on the H200 the 3-stage version
-// beat the 4-stage one on every case measured (0-14%): the wait between the two store rounds
-// costs more than the deeper ring gains (bench/NOTES.md, v5 and v6).
-enum { GG_STAGES_DIRECT = 4 };
-#define GG_C_BYTES(STAGES) ((STAGES) == 3 ? 2 * 64 * 256 * 2 : 2 * 64 * 128 * 2)
+// so 3 stages leave the producer 1 block of lookahead; still, on the H200 it beat 4 stages with
+// 32 KB of staging on every case measured (0-14%): the wait between two store rounds costs more
+// than the deeper ring gains (docs/performance.md, "Variants removed").
+template <int EPI>
+struct gg_cfg {
+  static constexpr int TMA_STORE = EPI != MOK_GG_EPI_ACCUM_F32;
+  static constexpr int STAGES = TMA_STORE ? 3 : 4;
+  static constexpr int C_BYTES = TMA_STORE ? 2 * 64 * 256 * 2 : 0;
+};
 
 // Register split after setmaxnreg: 40 (producer) + 2 x 232 (consumers) per 3 x 128 threads, the
 // 168 per thread the CTA is launched with: the warpgroups only trade those (a split beyond them
@@ -132,11 +134,11 @@ __device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, co
 // cut short runs ahead of its band's partners onto other column blocks, which B streamed from
 // HBM then pays for. Computing the unused rows instead (never stored) kept the CTAs in step and
 // was faster wherever groups end in short row tiles: DeepSeek-V3 skewed gate/up 13.10 against
-// 14.13 ms, SwiGLU 13.15 against 13.61, down 7.00 against 7.18; the same elsewhere (bench/NOTES.md
-// v20). Clusters keep the skip: their pairs move in step anyway.
-__device__ __forceinline__ bool gg_skip_rows(const gg_kernel_params_t &p, int cluster,
-                                             int wg_row0, int row_end) {
-  return (cluster > 1 || p.group_m == 0) && wg_row0 >= row_end;
+// 14.13 ms, SwiGLU 13.15 against 13.61, down 7.00 against 7.18; the same elsewhere
+// (docs/performance.md, "Grouped GEMM: tile order and L2 bands").
+__device__ __forceinline__ bool gg_skip_rows(const gg_kernel_params_t &p, int wg_row0,
+                                             int row_end) {
+  return p.group_m == 0 && wg_row0 >= row_end;
 }
 
 // Staged store of output columns [128 H, 128 H + 128) of a consumer warpgroup's tile (or of its
@@ -151,7 +153,7 @@ __device__ __forceinline__ void gg_store_staged(const float (&acc)[128], uint8_t
       acc, stage_c, tm_c, w, n0 + 128 * H, n, wg_row0, 1 + cw, lt);
 }
 
-template <int EPI, int STAGES, int TMA_STORE, int CLUSTER, int B_NMAJOR>
+template <int EPI, int B_NMAJOR>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     gg_bf16_kernel(const __grid_constant__ gg_kernel_params_t p,
                    const __grid_constant__ CUtensorMap tm_a,   // A [M_total, K], box [128, 64]
@@ -161,26 +163,19 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                    const __grid_constant__ CUtensorMap tm_c)   // C [M_total, N] bf16, box [64, 64]
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int C_BYTES = TMA_STORE ? GG_C_BYTES(STAGES) : 0;
-  constexpr int ONE_BUFFER = C_BYTES == 2 * 64 * 128 * 2;  // 128 columns per warpgroup
+  constexpr int STAGES = gg_cfg<EPI>::STAGES, TMA_STORE = gg_cfg<EPI>::TMA_STORE;
+  constexpr int C_BYTES = gg_cfg<EPI>::C_BYTES;
   typedef tp_plan<GG_BM, GG_BN, STAGES, C_BYTES> P;
-  static_assert(!TMA_STORE || EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_SWIGLU ||
-                    (EPI == MOK_GG_EPI_STORE_F32 && STAGES == 3),
-                "staged: bf16, or fp32 stores through 32 KB per warpgroup");
-  static_assert(!B_NMAJOR || (CLUSTER == 1 && EPI != MOK_GG_EPI_SWIGLU), "N-major B: plain GEMM");
+  static_assert(!B_NMAJOR || EPI != MOK_GG_EPI_SWIGLU, "N-major B: plain GEMM");
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
-  uint8_t *smem = tp_kernel_start<P, CLUSTER>(smem_raw, &full, &empty, &tm_a, &tm_b,
-                                              EPI == MOK_GG_EPI_SWIGLU ? &tm_b2 : NULL,
-                                              TMA_STORE ? &tm_c : NULL);
+  uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
+                                     EPI == MOK_GG_EPI_SWIGLU ? &tm_b2 : NULL,
+                                     TMA_STORE ? &tm_c : NULL);
   const int wg = threadIdx.x / 128;
-  const int rank = CLUSTER > 1 ? (int)ptx_cluster_ctarank() : 0;
-  // NOTE: the peer's producer multicasts into this CTA's ring and its consumers arrive on this
-  // CTA's barriers: every barrier of the cluster must be initialized before anyone starts.
-  if (CLUSTER > 1) ptx_cluster_sync();
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
-                                   p.n_tiles, p.group_m, GG_BM, p.bn_out, CLUSTER, rank);
+                                   p.n_tiles, p.group_m, GG_BM, p.bn_out);
   tp_ring_t ring = {0, 0};
   gg_tile_t tile;
 
@@ -209,11 +204,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           b.map_hi = &tm_b;
           b.row_hi = b.row_lo + 128;
         }
-        // A row tile past its group's end (cluster padding) reads the group's last row onwards:
-        // in bounds, and nothing of it is stored.
-        const int a_row = tile.row0 < tile.row_end ? tile.row0 : tile.row_end - 1;
-        tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES, CLUSTER>(
-            &ring, smem, full, empty, &tm_a, a_row, b, p.k_blocks, GG_BK_BF16, rank, gg_tag(tile));
+        tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES>(&ring, smem, full, empty, &tm_a, tile.row0,
+                                                       b, p.k_blocks, GG_BK_BF16, gg_tag(tile));
       }
       gg_post_end<P>(&ring, full, empty);
     }
@@ -229,9 +221,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       float2 w = make_float2(1.0f, 1.0f);
       if (EPI == MOK_GG_EPI_SWIGLU) w = epi_row_scales(p.row_scale, e);
       const int wg_row0 = tile.row0 + 64 * cw;
-      tp_consume_tile_bf16_n256<GG_BM, STAGES, C_BYTES, CLUSTER, B_NMAJOR>(
-          &ring, smem, full, empty, p.k_blocks, cw, gg_skip_rows(p, CLUSTER, wg_row0, tile.row_end),
-          acc);
+      tp_consume_tile_bf16_n256<GG_BM, STAGES, C_BYTES, B_NMAJOR>(
+          &ring, smem, full, empty, p.k_blocks, cw, gg_skip_rows(p, wg_row0, tile.row_end), acc);
       // SwiGLU with bf16 g, u outputs too stores everything from registers (3 outputs per tile).
       const bool staged = TMA_STORE && wg_row0 + 64 <= tile.row_end &&
                           (EPI != MOK_GG_EPI_SWIGLU || (!p.g_out && !p.u_out));
@@ -243,8 +234,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
         } else {  // 256 columns: two rounds of 128
           gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
-          gg_store_staged<EPI, 1, ONE_BUFFER ? 0 : -1>(acc, ONE_BUFFER ? stage_c : stage_c + 16384, &tm_c,
-                                              w, tile.n0, p.n, wg_row0, cw, lt);
+          gg_store_staged<EPI, 1, -1>(acc, stage_c + 16384, &tm_c, w, tile.n0, p.n, wg_row0, cw,
+                                      lt);
         }
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c, e);
@@ -258,12 +249,6 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       }
     }
     if (TMA_STORE && lt == 0) ptx_bulk_wait_group_all();  // stores done before the CTA retires
-  }
-  // NOTE: no CTA of a cluster may exit while its peer can still multicast into it or arrive on
-  // its barriers.
-  if (CLUSTER > 1) {
-    __syncwarp();
-    ptx_cluster_sync();
   }
 #endif
 }
@@ -284,7 +269,7 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
     return MOK_ERROR_INVALID_VALUE;
   if ((int)p->epilogue < 0 || p->epilogue > MOK_GG_EPI_SWIGLU) return MOK_ERROR_INVALID_VALUE;
   if (p->offsets_int64 != 0 && p->offsets_int64 != 1) return MOK_ERROR_INVALID_VALUE;
-  if (p->num_sms < 0) return MOK_ERROR_INVALID_VALUE;
+  if (p->num_sms < 0 || p->group_m < -1) return MOK_ERROR_INVALID_VALUE;
   if (p->num_groups < 1 || p->num_groups > MOK_GG_MAX_GROUPS) return MOK_ERROR_INVALID_SHAPE;
   if (p->m_total < 0 || p->n < 1 || p->k < 1) return MOK_ERROR_INVALID_SHAPE;
   if (p->k % 8 != 0 || p->n % 8 != 0) return MOK_ERROR_INVALID_SHAPE;  // 16-byte row strides
@@ -326,70 +311,29 @@ typedef struct {
   CUtensorMap a, b, b2, c;
 } gg_maps_t;
 
-template <int EPI, int STAGES, int TMA_STORE, int CLUSTER, int B_NMAJOR>
+template <int EPI, int B_NMAJOR>
 static cudaError_t gg_launch_bf16(const gg_kernel_params_t *kp, const gg_maps_t *m, int grid,
-                                  int grid_auto, cudaStream_t stream) {
-  typedef tp_plan<GG_BM, GG_BN, STAGES, TMA_STORE ? GG_C_BYTES(STAGES) : 0> P;
+                                  cudaStream_t stream) {
+  typedef tp_plan<GG_BM, GG_BN, gg_cfg<EPI>::STAGES, gg_cfg<EPI>::C_BYTES> P;
   const int bytes = P::ALLOC_BYTES + P::TAGS_BYTES;
   void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap) =
-      gg_bf16_kernel<EPI, STAGES, TMA_STORE, CLUSTER, B_NMAJOR>;
+      gg_bf16_kernel<EPI, B_NMAJOR>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));
-  cudaLaunchAttribute attr[1];
   cfg.blockDim = dim3(MOK_TP_THREADS, 1, 1);
   cfg.dynamicSmemBytes = bytes;
   cfg.stream = stream;
-  if (CLUSTER > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    // A persistent grid must be resident at once: by default (grid_auto) no more clusters than
-    // fit together, queried once per kernel. An explicit num_sms is taken as given.
-    static int max_clusters = 0;
-    if (grid_auto && max_clusters == 0) {
-      cfg.gridDim = dim3(grid - grid % CLUSTER, 1, 1);
-      err = cudaOccupancyMaxActiveClusters(&max_clusters, (void *)kernel, &cfg);
-      if (err != cudaSuccess) return err;
-      if (max_clusters < 1) return cudaErrorInvalidConfiguration;
-    }
-    grid -= grid % CLUSTER;
-    if (grid_auto && grid / CLUSTER > max_clusters) grid = max_clusters * CLUSTER;
-    if (grid < CLUSTER) grid = CLUSTER;
-  }
   cfg.gridDim = dim3(grid, 1, 1);
   err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->c);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
-// Staged (TMA) stores for bf16 outputs unless the environment sets MOK_GG_TMA_STORE=0: a knob
-// for benchmarks and tests, read at every launch (getenv costs far less than a launch).
-static int gg_use_tma_store(void) {
-  const char *e = getenv("MOK_GG_TMA_STORE");
-  return (e && e[0] == '0') ? 0 : 1;
-}
-// Stages of the staged configuration: 3 (64 KB staging), or 4 (32 KB) when MOK_GG_STAGES=4.
-static int gg_staged_stages(void) {
-  const char *e = getenv("MOK_GG_STAGES");
-  return (e && e[0] == '4') ? 4 : 3;
-}
-// Clusters of 2 CTAs sharing B (multicast) for staged bf16 outputs when MOK_GG_CLUSTER=2. Off by
-// default: measured 2-4% slower than single CTAs on the Qwen3-235B cases (bench/NOTES.md, v3),
-// so the L2-to-SM traffic it halves is not what limits this kernel today.
-static int gg_use_cluster(void) {
-  const char *e = getenv("MOK_GG_CLUSTER");
-  return (e && e[0] == '2') ? 2 : 1;
-}
-
-extern "C" int mok_tile_group_m(int64_t b_bytes) {
-  const char *env = getenv("MOK_TILE_GROUP");
-  if (env && env[0]) return atoi(env) > 0 ? atoi(env) : 0;
+extern "C" int mok_tile_group_m(int requested, int64_t b_bytes) {
+  if (requested != 0) return requested > 0 ? requested : 0;
   int device = 0, l2 = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
@@ -401,7 +345,8 @@ extern "C" int mok_tile_group_m(int64_t b_bytes) {
   // 25.2 MB (gate/up) and 12.6 MB (down) ran 4% faster in bands (ncu: 5.3 GB read from HBM
   // against 8.7 for gate/up), and its fused forward 1%; interleaved with other kernels, which
   // lends them clock, the bands had measured even or up to 1% slower, hence the former rule of
-  // 0.45 of the L2. Qwen3-30B's 6.3 MB gained nothing (bench/NOTES.md v22).
+  // 0.45 of the L2. Qwen3-30B's 6.3 MB gained nothing (docs/performance.md, "Grouped GEMM: tile
+  // order and L2 bands").
   return b_bytes * 6 > (int64_t)l2 ? 8 : 0;
 }
 
@@ -431,8 +376,8 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   kp.g_out = swiglu ? p->g_out : NULL;
   kp.u_out = swiglu ? p->u_out : NULL;
   // one group's B: N x K elements (SwiGLU: gate and up, N each)
-  kp.group_m = mok_tile_group_m((swiglu ? 2 : 1) * p->n * p->k *
-                                (p->dtype == MOK_GG_FP8_BLOCK ? 1 : 2));
+  kp.group_m = mok_tile_group_m(p->group_m, (swiglu ? 2 : 1) * p->n * p->k *
+                                                 (p->dtype == MOK_GG_FP8_BLOCK ? 1 : 2));
 
   kp.a_scale = p->a_scale;
   kp.a_scale_ld = p->a_scale_ld;
@@ -479,43 +424,22 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
     return MOK_ERROR_CUDA;
   if (p->epilogue == MOK_GG_EPI_ACCUM_F32) m.c = m.a;  // unused: accumulation stores directly
 
-  // The configuration table: (staged, cluster) for bf16 outputs, staged or direct for fp32
-  // stores, direct for fp32 accumulation.
-  const int staged = gg_use_tma_store();
-  const int pair = staged && !nmajor && gg_use_cluster() == 2 && grid >= 2;
-  const int auto_grid = p->num_sms == 0;
-  const int S4 = GG_STAGES_DIRECT, three = gg_staged_stages() == 3;
-#define GG_LAUNCH(EPI, STAGES, TMA_STORE, CLUSTER, NMAJOR) \
-  gg_launch_bf16<EPI, STAGES, TMA_STORE, CLUSTER, NMAJOR>(&kp, &m, grid, auto_grid, s)
+  // The dispatch table: the epilogue and B's layout (gg_cfg fixes the rest).
+#define GG_LAUNCH(EPI) (nmajor ? gg_launch_bf16<EPI, 1>(&kp, &m, grid, s) \
+                               : gg_launch_bf16<EPI, 0>(&kp, &m, grid, s))
   cudaError_t err;
   switch (p->epilogue) {
-    case MOK_GG_EPI_STORE_BF16:
-      if (nmajor) err = !staged ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, S4, 0, 1, 1)
-                        : three ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 3, 1, 1, 1)
-                                : GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 4, 1, 1, 1);
-      else err = pair     ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 3, 1, 2, 0)
-                 : !staged ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, S4, 0, 1, 0)
-                 : three  ? GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 3, 1, 1, 0)
-                          : GG_LAUNCH(MOK_GG_EPI_STORE_BF16, 4, 1, 1, 0);
-      break;
-    case MOK_GG_EPI_STORE_F32:
-      err = nmajor ? (staged ? GG_LAUNCH(MOK_GG_EPI_STORE_F32, 3, 1, 1, 1)
-                             : GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 1))
-                   : (staged ? GG_LAUNCH(MOK_GG_EPI_STORE_F32, 3, 1, 1, 0)
-                             : GG_LAUNCH(MOK_GG_EPI_STORE_F32, S4, 0, 1, 0));
-      break;
+    case MOK_GG_EPI_STORE_BF16: err = GG_LAUNCH(MOK_GG_EPI_STORE_BF16); break;
+    case MOK_GG_EPI_STORE_F32: err = GG_LAUNCH(MOK_GG_EPI_STORE_F32); break;
     case MOK_GG_EPI_ACCUM_F32:
       // NOTE: staged through TMA's reduce-add (c += acc by the memory system, the same bits),
       // the backward's dx accumulation at DeepSeek-V3 took 12.06 ms against 10.92 from registers
-      // (at Qwen3-235B 4.44 against 4.74; bench/NOTES.md v20): it stays direct.
-      err = nmajor ? GG_LAUNCH(MOK_GG_EPI_ACCUM_F32, S4, 0, 1, 1)
-                   : GG_LAUNCH(MOK_GG_EPI_ACCUM_F32, S4, 0, 1, 0);
+      // (at Qwen3-235B 4.44 against 4.74; docs/performance.md, "Grouped GEMM: epilogues"): it
+      // stays direct.
+      err = GG_LAUNCH(MOK_GG_EPI_ACCUM_F32);
       break;
-    default:  // SwiGLU (K-major B only)
-      err = pair      ? GG_LAUNCH(MOK_GG_EPI_SWIGLU, 3, 1, 2, 0)
-            : !staged ? GG_LAUNCH(MOK_GG_EPI_SWIGLU, S4, 0, 1, 0)
-            : three   ? GG_LAUNCH(MOK_GG_EPI_SWIGLU, 3, 1, 1, 0)
-                      : GG_LAUNCH(MOK_GG_EPI_SWIGLU, 4, 1, 1, 0);
+    default:  // SwiGLU (K-major B only: validated)
+      err = gg_launch_bf16<MOK_GG_EPI_SWIGLU, 0>(&kp, &m, grid, s);
       break;
   }
 #undef GG_LAUNCH

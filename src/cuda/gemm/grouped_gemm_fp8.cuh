@@ -84,12 +84,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   static_assert(EPI != MOK_GG_EPI_SWIGLU, "fp8-block SwiGLU is not implemented");
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
-  uint8_t *smem = tp_kernel_start<P, 1>(smem_raw, &full, &empty, &tm_a, &tm_b,
-                                        STAGED ? &tm_c : NULL, SMEM_A ? &tm_s : NULL);
+  uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
+                                     STAGED ? &tm_c : NULL, SMEM_A ? &tm_s : NULL);
   const int wg = threadIdx.x / 128;
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
-                                   p.n_tiles, p.group_m, GG8_BM, GG8_BN, 1, 0);
+                                   p.n_tiles, p.group_m, GG8_BM, GG8_BN);
   tp_ring_t ring = {0, 0};
   gg_tile_t tile;
 
@@ -107,13 +107,11 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           sl.slots = smem + Q::SLOTS_OFFSET;
           sl.row0 = tile.row0 & ~3;
           sl.box_bytes = 4 * (uint32_t)min(p.a_scale_ld, (int64_t)GG8_SCALE_BOX);
-          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES, 1>(
-              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, 0, gg_tag(tile),
-              sl);
+          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES>(
+              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, gg_tag(tile), sl);
         } else {
-          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES, 1>(
-              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, 0,
-              gg_tag(tile));
+          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES>(
+              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, gg_tag(tile));
         }
       }
       gg_post_end<P>(&ring, full, empty);
@@ -139,7 +137,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         sc.sa = ptx_smem_addr(smem) + Q::SLOTS_OFFSET + 4 * (int)(row - (tile.row0 & ~3));
         tp_consume_tile_fp8_n128<GG8_BM, STAGES, C_BYTES, SMEM_A>(
             &ring, smem, full, empty, p.k_blocks, cw,
-            gg_skip_rows(p, 1, tile.row0 + 64 * cw, tile.row_end), sc, total);
+            gg_skip_rows(p, tile.row0 + 64 * cw, tile.row_end), sc, total);
       }
       // Everything else of the epilogue is computed after the mainloop, whose two `part` sets
       // leave little room.

@@ -20,14 +20,14 @@
  * (accumulate).
  *
  * Configurations (one dispatch table in mok_grouped_wgrad_launch), as in grouped_gemm.cu:
- *   staged (default): 3 stages + 64 KB output staging; each consumer warpgroup stages its
+ *   staged (bf16 and fp32 stores): 3 stages + 64 KB output staging; each consumer warpgroup stages its
  *          [64, 256] piece in swizzled shared memory and leaves it to TMA bulk copies over the
  *          [G N, K] view of C, which drain while the next tile's MMA runs (a tile reduces only
  *          R / E rows, ~8 blocks at DeepSeek-V3, so an unhidden epilogue costs a lot): bf16 in
  *          one round of 32 KB per warpgroup, fp32 in two rounds of 32 KB (the second waits until
  *          the copy engine has read the first); row tiles that end past N[g] fall back to direct
  *          stores;
- *   direct (MOK_GG_TMA_STORE=0; always for fp32 accumulation): 4 stages, stores from registers.
+ *   direct (fp32 accumulation): 4 stages, stores from registers.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   typedef tp_plan<GW_BM, GW_BN, STAGES, C_BYTES> P;
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
-  uint8_t *smem = tp_kernel_start<P, 1>(smem_raw, &full, &empty, &tm_a, &tm_b,
+  uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
                                         TMA_STORE ? &tm_c : NULL, NULL);
   const int wg = threadIdx.x / 128;
 
@@ -205,13 +205,6 @@ static cudaError_t gw_launch(const gw_kernel_params_t *kp, const CUtensorMap *ma
   return cudaGetLastError();
 }
 
-// Staged (TMA) stores unless MOK_GG_TMA_STORE=0 (the grouped GEMM's knob, read at every launch:
-// tests and benchmarks compare the two configurations).
-static int gw_use_tma_store(void) {
-  const char *e = getenv("MOK_GG_TMA_STORE");
-  return (e && e[0] == '0') ? 0 : 1;
-}
-
 extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t *p,
                                                 void *stream) {
   mokResult_t res = gw_validate(p);
@@ -242,7 +235,7 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   // Maps over [max(M_total, 1), cols]: with M_total = 0 no tile loads anything, but the encoder
   // needs a non-empty tensor.
   const uint64_t rows = p->m_total > 0 ? (uint64_t)p->m_total : 1;
-  const int staged = gw_use_tma_store();
+  const int staged = p->epilogue != MOK_GG_EPI_ACCUM_F32;  // the configuration table below
   const int bf16_out = p->epilogue == MOK_GG_EPI_STORE_BF16;
   const uint64_t c_rows = (uint64_t)(p->num_groups * p->n);
   CUtensorMap ma, mb, mc;
@@ -258,12 +251,10 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   cudaError_t err;
   switch (p->epilogue) {
     case MOK_GG_EPI_STORE_BF16:
-      err = staged ? gw_launch<MOK_GG_EPI_STORE_BF16, S3, 1>(&kp, &ma, &mb, &mc, grid, s)
-                   : gw_launch<MOK_GG_EPI_STORE_BF16, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
+      err = gw_launch<MOK_GG_EPI_STORE_BF16, S3, 1>(&kp, &ma, &mb, &mc, grid, s);
       break;
     case MOK_GG_EPI_STORE_F32:
-      err = staged ? gw_launch<MOK_GG_EPI_STORE_F32, S3, 1>(&kp, &ma, &mb, &mc, grid, s)
-                   : gw_launch<MOK_GG_EPI_STORE_F32, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
+      err = gw_launch<MOK_GG_EPI_STORE_F32, S3, 1>(&kp, &ma, &mb, &mc, grid, s);
       break;
     default:  // accumulation stays direct, as in grouped_gemm.cu (its NOTE)
       err = gw_launch<MOK_GG_EPI_ACCUM_F32, S4, 0>(&kp, &ma, &mb, &mc, grid, s);

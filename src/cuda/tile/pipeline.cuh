@@ -10,16 +10,10 @@
  *
  * Ring protocol (per stage s, phases alternate 0/1):
  *   full[s]  : 1 arrival (producer's arrive.expect_tx) + the TMA bytes  -> consumers may read
- *   empty[s] : 8 x CLUSTER arrivals (lane 0 of each consumer warp of each CTA of the cluster)
- *                                                                       -> producer may refill
+ *   empty[s] : 8 arrivals (lane 0 of each consumer warp)                -> producer may refill
  * The producer starts waiting on empty with parity 1, which a fresh barrier satisfies at once.
- *
- * With CLUSTER = 2 the two CTAs of a cluster compute row tiles r0 and r0 + BM against the same B
- * tile: CTA rank r loads B rows [128 r, 128 r + 128) of the stage once and multicasts them into
- * both CTAs, which halves the L2-to-SM traffic of B. Since each producer writes into its peer's
- * stage, a stage is free only when the consumers of both CTAs have released it: they arrive on
- * the empty barrier of both. Each CTA's full barrier still expects the whole stage (its own A,
- * both B halves); a peer's bytes may land before the local expect_tx, which the barrier allows.
+ * One CTA per tile: 2-CTA clusters multicasting B measured slower (docs/performance.md,
+ * "Variants removed").
  *
  * The ring position is carried across tiles, so the producer runs ahead into the next tile while
  * consumers finish the epilogue of the current one.
@@ -75,11 +69,11 @@ __device__ __forceinline__ void tp_ring_advance(tp_ring_t *r) {
 }
 
 // One thread: initializes the barriers. The caller syncs the CTA afterwards.
-template <int STAGES, int CLUSTER>
+template <int STAGES>
 __device__ __forceinline__ void tp_init_barriers(uint64_t *full, uint64_t *empty) {
   for (int s = 0; s < STAGES; s++) {
     ptx_mbar_init(&full[s], 1);
-    ptx_mbar_init(&empty[s], MOK_TP_CONSUMER_WARPS * CLUSTER);
+    ptx_mbar_init(&empty[s], MOK_TP_CONSUMER_WARPS);
   }
   ptx_fence_mbarrier_init();
 }
@@ -87,7 +81,7 @@ __device__ __forceinline__ void tp_init_barriers(uint64_t *full, uint64_t *empty
 // The start of a grouped-GEMM kernel: the ring's shared memory (plan P) in the dynamic allocation,
 // aligned to 1024 bytes (the 128-byte swizzle's atom), its barriers initialized and the tensor
 // maps prefetched by one thread, then a CTA barrier. NULL maps are not prefetched.
-template <typename P, int CLUSTER>
+template <typename P>
 __device__ __forceinline__ uint8_t *tp_kernel_start(uint8_t *smem_raw, uint64_t **full,
                                                     uint64_t **empty, const CUtensorMap *m0,
                                                     const CUtensorMap *m1, const CUtensorMap *m2,
@@ -96,7 +90,7 @@ __device__ __forceinline__ uint8_t *tp_kernel_start(uint8_t *smem_raw, uint64_t 
   *full = (uint64_t *)(smem + P::FULL_OFFSET);
   *empty = (uint64_t *)(smem + P::EMPTY_OFFSET);
   if (threadIdx.x == 32) {
-    tp_init_barriers<P::NUM_STAGES, CLUSTER>(*full, *empty);
+    tp_init_barriers<P::NUM_STAGES>(*full, *empty);
     const CUtensorMap *maps[4] = {m0, m1, m2, m3};
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -136,18 +130,15 @@ struct tp_no_stage_hook {
   __device__ __forceinline__ void operator()(int, int, uint64_t *) const {}
 };
 
-// Producer, one thread: loads the k_blocks stages of one tile. rank: this CTA's rank in the
-// cluster (CLUSTER = 2: it loads and multicasts B half `rank` only). The tile's first stage, once
-// free, gets `tag` in its slot of the plan's tags before the arrival that the consumers' wait
+// Producer, one thread: loads the k_blocks stages of one tile. The tile's first stage, once free, gets `tag` in its slot of the plan's tags before the arrival that the consumers' wait
 // acquires: the consumers learn the tile there (grouped_gemm.cu's gg_peek).
-template <int BM, int BN, int STAGES, int C_BYTES, int CLUSTER, class StageHook = tp_no_stage_hook>
+template <int BM, int BN, int STAGES, int C_BYTES, class StageHook = tp_no_stage_hook>
 __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
                                                 uint64_t *empty, const CUtensorMap *map_a,
                                                 int a_row, tp_b_source_t b, int k_blocks,
-                                                int k_elems_per_block, int rank, int4 tag,
+                                                int k_elems_per_block, int4 tag,
                                                 StageHook hook = StageHook()) {
   typedef tp_plan<BM, BN, STAGES, C_BYTES> P;
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && BN == 256), "a cluster of 2 splits B in halves");
   // before the loop, so that the tag's registers are free in it
   ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
   tp_post_tag<P>(full, ring->stage, tag);
@@ -159,19 +150,14 @@ __device__ __forceinline__ void tp_produce_tile(tp_ring_t *ring, uint8_t *smem, 
     const int kx = kb * k_elems_per_block;
     ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES + hook.extra_tx());
     ptx_tma_load_2d(a_tile, map_a, bar, kx, a_row);
-    if (CLUSTER == 2) {
-      ptx_tma_load_2d_multicast(b_tile + rank * 128 * MOK_TP_ROW_BYTES, rank ? b.map_hi : b.map_lo,
-                                bar, kx, rank ? b.row_hi : b.row_lo, (uint16_t)3);
-    } else {
-      ptx_tma_load_2d(b_tile, b.map_lo, bar, kx, b.row_lo);
-      if (BN == 256) ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, b.map_hi, bar, kx, b.row_hi);
-    }
+    ptx_tma_load_2d(b_tile, b.map_lo, bar, kx, b.row_lo);
+    if (BN == 256) ptx_tma_load_2d(b_tile + 128 * MOK_TP_ROW_BYTES, b.map_hi, bar, kx, b.row_hi);
     hook(ring->stage, kb, bar);
     tp_ring_advance<STAGES>(ring);
   }
 }
 
-// Producer, one thread, B N-major (no clusters): one tile's k_blocks stages (tag: as for
+// Producer, one thread, B N-major: one tile's k_blocks stages (tag: as for
 // tp_produce_tile).
 template <int BM, int BN, int STAGES, int C_BYTES>
 __device__ __forceinline__ void tp_produce_tile_bn(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
@@ -197,61 +183,27 @@ __device__ __forceinline__ void tp_produce_tile_bn(tp_ring_t *ring, uint8_t *sme
   }
 }
 
-// A consumer warp is done with a stage: tell the producer of every CTA that writes into it.
-template <int CLUSTER>
-__device__ __forceinline__ void tp_release(uint64_t *empty_bar) {
-  if (CLUSTER == 1) {
-    ptx_mbar_arrive(empty_bar);
-  } else {
-    ptx_mbar_arrive_cluster(empty_bar, 0);
-    ptx_mbar_arrive_cluster(empty_bar, 1);
-  }
-}
-
 // A consumer warpgroup that computes nothing of a tile (see `idle` below): releases its k_blocks
 // stages as they arrive, as it would after reading them.
-template <int STAGES, int CLUSTER>
+template <int STAGES>
 __device__ __forceinline__ void tp_pass_tile(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
                                              int k_blocks) {
   const int lane = threadIdx.x & 31;
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&full[ring->stage], ring->phase);
-    if (lane == 0) tp_release<CLUSTER>(&empty[ring->stage]);
+    if (lane == 0) ptx_mbar_arrive(&empty[ring->stage]);
     tp_ring_advance<STAGES>(ring);
   }
   __syncwarp();
 }
 
-// Ordered issue (ORDERED = 1): within a tile the two consumer warpgroups take turns issuing the
-// wgmmas of a stage, warpgroup 0 first. Both wait for the same stage, so without an order they
-// issue together, the tensor cores interleave them, and both wait for their results at the same
-// moment: whatever a warpgroup does between two stages (fp8's promotion, the last stage's
-// epilogue) then leaves the tensor cores idle. In turns, warpgroup 1's wgmmas queue behind
-// warpgroup 0's, so each finishes half a stage apart and one's CUDA-core work runs under the
-// other's MMA (CUTLASS calls this ping-pong). Named barriers MOK_TP_BAR_TURN + w: "warpgroup w
-// may issue"; a bar.sync of the waiting warpgroup pairs with a bar.arrive of the other (256
-// threads). Per tile of n stages: warpgroup 1 waits before stages 0..n-1 for warpgroup 0's
-// arrivals after its stages 0..n-1; warpgroup 0 waits before stages 1..n-1 for warpgroup 1's
-// arrivals after its stages 0..n-2. The counts match within every tile, so no barrier is left
-// half-arrived between tiles or at the kernel's end.
-#define MOK_TP_BAR_TURN 4  // named barriers 4 and 5 (1-3: the kernels' own)
-
-__device__ __forceinline__ void tp_turn_wait(int wg, int kb) {
-  if (wg == 1 || kb > 0) ptx_named_barrier_sync(MOK_TP_BAR_TURN + wg, 256);
-}
-__device__ __forceinline__ void tp_turn_pass(int wg, int kb, int k_blocks) {
-  if (wg == 0 || kb + 1 < k_blocks) ptx_named_barrier_arrive(MOK_TP_BAR_TURN + 1 - wg, 256);
-}
-
 // Consumer warpgroup `wg` (0 or 1): acc[64 rows, 256 cols] = A[64wg + (0..63)] · B[0..255]ᵀ over
 // k_blocks stages, bf16 operands. acc is in wgmma's fragment layout (see tile/epilogue.cuh).
-// ORDERED: issue in turns with the other consumer warpgroup (above); the two must consume the
-// same tiles.
 // idle: none of this warpgroup's 64 rows is stored (the last row tile of a group, with at most 64
 // rows left): it only releases the stages as they arrive and leaves acc undefined, so the other
 // warpgroup's wgmmas get the tensor cores to themselves and the tile takes about half the time.
-// (Not with ORDERED, whose turns both warpgroups must take. The grouped GEMMs pass it only when
-// their tiles are not in bands: grouped_gemm.cu's gg_skip_rows.)
+// (The grouped GEMMs pass it only when their tiles are not in bands: grouped_gemm.cu's
+// gg_skip_rows.)
 // after_first: called once the first stage's wgmmas are issued (or at once, idle), for work that
 // may overlap the tile's MMA (the fused kernel's deferred release of the previous tile); it must
 // not wait on anything another CTA or warpgroup has yet to do, and leaves the warps converged.
@@ -259,8 +211,8 @@ __device__ __forceinline__ void tp_turn_pass(int wg, int kb, int k_blocks) {
 struct tp_no_hook {
   __device__ __forceinline__ void operator()() const {}
 };
-template <int BM, int STAGES, int C_BYTES, int CLUSTER, int B_NMAJOR, int ORDERED = 0,
-          class Hook = tp_no_hook, class HookLast = tp_no_hook>
+template <int BM, int STAGES, int C_BYTES, int B_NMAJOR, class Hook = tp_no_hook,
+          class HookLast = tp_no_hook>
 __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8_t *smem,
                                                           uint64_t *full, uint64_t *empty,
                                                           int k_blocks, int wg, bool idle,
@@ -269,9 +221,9 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
                                                           HookLast after_last = HookLast()) {
   typedef tp_plan<BM, 256, STAGES, C_BYTES> P;
   const int lane = threadIdx.x & 31;
-  if (idle && !ORDERED) {
+  if (idle) {
     after_first();
-    tp_pass_tile<STAGES, CLUSTER>(ring, full, empty, k_blocks);
+    tp_pass_tile<STAGES>(ring, full, empty, k_blocks);
     after_last();
     return;
   }
@@ -288,7 +240,6 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
     const uint32_t db = (uint32_t)(B_NMAJOR ? ptx_desc_mnmajor_sw128(b_tile, 64 * MOK_TP_ROW_BYTES)
                                             : ptx_desc_kmajor_sw128(b_tile));
     const uint64_t hi = ptx_desc_kmajor_sw128_hi();
-    if (ORDERED) tp_turn_wait(wg, kb);
     ptx_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
@@ -299,17 +250,16 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
                                           hi | (db + (B_NMAJOR ? 128 : 2) * kk), (kb | kk) != 0);
     }
     ptx_wgmma_commit_group();
-    if (ORDERED) tp_turn_pass(wg, kb, k_blocks);
     if (kb == 0) after_first();
     if (kb == k_blocks - 1) after_last();
     // The group issued one block earlier has now completed: its stage can be refilled.
     ptx_wgmma_wait_group<1>();
-    if (prev_stage >= 0 && lane == 0) tp_release<CLUSTER>(&empty[prev_stage]);
+    if (prev_stage >= 0 && lane == 0) ptx_mbar_arrive(&empty[prev_stage]);
     prev_stage = ring->stage;
     tp_ring_advance<STAGES>(ring);
   }
   ptx_wgmma_wait_group<0>();
-  if (prev_stage >= 0 && lane == 0) tp_release<CLUSTER>(&empty[prev_stage]);
+  if (prev_stage >= 0 && lane == 0) ptx_mbar_arrive(&empty[prev_stage]);
 #pragma unroll
   for (int i = 0; i < 128; i++) ptx_fence_operand(acc[i]);
 }
@@ -344,8 +294,8 @@ typedef struct {
 // products at DeepSeek-V3's shapes, where the L2 is busy (ncu, bench/NOTES.md v15), and the
 // slots measured 0-4% faster (v16). Barriers and descriptors are shared-memory offsets fixed per
 // tile, not generic pointers converted at every use (ncu: a third of the old loop's instructions).
-// NOTE: issuing in turns with the other warpgroup (ORDERED of the bf16 loop) measured 15-25%
-// slower (v10, v13): the two warpgroups issue together.
+// NOTE: the two warpgroups issue together: issuing in turns (ping-pong) measured 15-25% slower
+// (docs/performance.md, "Variants removed").
 // idle: as for tp_consume_tile_bf16_n256 (no row of this warpgroup is stored; total undefined).
 
 // da, db: the low words of K-major 128B-swizzle descriptors (ptx_desc_kmajor_sw128); their high
@@ -446,7 +396,7 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   typedef tp_plan<BM, 128, STAGES, C_BYTES> P;
   static_assert(P::EMPTY_OFFSET == P::FULL_OFFSET + 8 * STAGES, "empty[] follows full[]");
   if (idle) {
-    tp_pass_tile<STAGES, 1>(ring, full, empty, k_blocks);
+    tp_pass_tile<STAGES>(ring, full, empty, k_blocks);
     return;
   }
   const uint32_t full0 = ptx_smem_addr(full);

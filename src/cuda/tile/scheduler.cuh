@@ -2,13 +2,11 @@
  * tile/scheduler.cuh: the persistent tile order of a grouped GEMM whose group sizes exist only in
  * device memory.
  *
- * A unit is CLUSTER row tiles of BM rows stacked (one per CTA of a cluster: they share the B tile)
- * times one column tile. Units are numbered group by group; within a group, row unit by row unit
+ * A unit is one row tile of BM rows times one column tile. Units are numbered group by group; within a group, row unit by row unit
  * with the column tile fastest, or (group_m > 0) in bands of group_m row units, column tile by
  * column tile within a band and its row units fastest, so that the units that share a B tile
- * are taken together (what src/common/task_plan.h's mok_plan_tile does for the fused kernel). Cluster c
- * takes units c, c + clusters, c + 2 clusters, ..., and CTA rank r of the cluster takes row tile
- * r of each. The producer thread of each CTA walks this sequence through gg_sched_next and
+ * are taken together (what src/common/task_plan.h's mok_plan_tile does for the fused kernel).
+ * CTA c takes units c, c + grid, c + 2 grid, ... The producer thread of each CTA walks this sequence through gg_sched_next and
  * posts each tile beside the ring stage that starts it, where the consumer warpgroups read it
  * (grouped_gemm.cu's gg_peek).
  *
@@ -19,8 +17,6 @@
  *
  * Offsets are clamped to [0, m_total] and a group whose end is below its start is empty, so a bad
  * offsets array can make results wrong but never makes the kernel touch rows outside [0, m_total).
- * A row tile that starts past its group's end (odd row-tile count, CLUSTER = 2) is still computed,
- * to keep the cluster in step, but none of its rows is stored.
  *
  * The second order below (gw_sched_*) is the k-grouped one of the weight-gradient GEMM, where the
  * groups split the reduction instead of the output rows.
@@ -46,10 +42,9 @@ typedef struct {
   int64_t m_total;
   int n_tiles;           // column tiles per group
   int group_m;           // row units per band (0: row unit by row unit)
-  int unit_rows;         // rows per unit: BM x CLUSTER
-  int row_offset;        // this CTA's row tile inside a unit: BM x cluster rank
+  int unit_rows;         // rows per unit: BM
   int bn;                // output columns per tile
-  int next, stride;      // next unit this CTA takes; clusters in the grid
+  int next, stride;      // next unit this CTA takes; CTAs in the grid
   int group;             // cursor: current group (-1 before the first)
   int units_before;      // units of the groups before `group`
   int units;             // units of `group`
@@ -72,11 +67,9 @@ __device__ __forceinline__ void gg_group_rows(const void *offsets, int is64, int
   *hi_out = (int)hi;
 }
 
-// cluster: CTAs per cluster (1 or 2, along the grid's x), rank: this CTA's rank in it.
 __device__ __forceinline__ gg_sched_t gg_sched_init(const void *offsets, int offsets_int64,
                                                     int num_groups, int64_t m_total, int n_tiles,
-                                                    int group_m, int bm, int bn, int cluster,
-                                                    int rank) {
+                                                    int group_m, int bm, int bn) {
   gg_sched_t s;
   s.offsets = offsets;
   s.offsets_int64 = offsets_int64;
@@ -84,11 +77,10 @@ __device__ __forceinline__ gg_sched_t gg_sched_init(const void *offsets, int off
   s.m_total = m_total;
   s.n_tiles = n_tiles;
   s.group_m = group_m;
-  s.unit_rows = bm * cluster;
-  s.row_offset = bm * rank;
+  s.unit_rows = bm;
   s.bn = bn;
-  s.next = blockIdx.x / cluster;
-  s.stride = gridDim.x / cluster;
+  s.next = blockIdx.x;
+  s.stride = gridDim.x;
   s.group = -1;
   s.units_before = 0;
   s.units = 0;
@@ -96,7 +88,7 @@ __device__ __forceinline__ gg_sched_t gg_sched_init(const void *offsets, int off
   return s;
 }
 
-// The next tile of this CTA, or 0 when it has none left (the same answer in every CTA of a cluster).
+// The next tile of this CTA, or 0 when it has none left.
 __device__ __forceinline__ int gg_sched_next(gg_sched_t *s, gg_tile_t *t) {
   const int idx = s->next;
   while (idx >= s->units_before + s->units) {  // walk forward, skipping empty groups
@@ -125,7 +117,7 @@ __device__ __forceinline__ int gg_sched_next(gg_sched_t *s, gg_tile_t *t) {
     n_blk = local - m_blk * s->n_tiles;
   }
   t->group = s->group;
-  t->row0 = s->lo + m_blk * s->unit_rows + s->row_offset;
+  t->row0 = s->lo + m_blk * s->unit_rows;
   t->row_end = s->hi;
   t->n0 = n_blk * s->bn;
   return 1;

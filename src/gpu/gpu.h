@@ -1,0 +1,63 @@
+/*
+ * gpu.h: the GPU backend's private state and the helpers its host files share (src/gpu/layer.c,
+ * forward.c, backward.c). Only src/gpu/ includes it; src/api/ reaches the backend through the
+ * entry points of src/api/api.h.
+ */
+#ifndef MOK_GPU_GPU_H
+#define MOK_GPU_GPU_H
+
+#include "api/api.h"
+#include "common/workspace.h"
+
+#ifdef MOK_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/gemm/gemm.h"
+
+/* A GPU layer's state (mok_layer.gpu). */
+struct mok_gpu_layer {
+  mok_ws_layout_t lay;
+  char *ws;          /* device workspace, lay.ws_bytes; NULL when the layer cannot run */
+  void *last_stream; /* the stream of the last forward or backward, which mok_layer_check
+                        synchronizes with */
+  int ran;           /* a forward or backward was enqueued since the layer was created */
+};
+
+/* MOK_ERROR_CUDA for a failed CUDA call, recorded on the layer (a non-sticky error is cleared so
+ * that later calls start clean). */
+mokResult_t mok_gpu_cuda_fail(mok_layer_t l, const char *call, cudaError_t e);
+
+#define MOK_GPU_CUDA_GOTO(l, call, res, label)         \
+  do {                                                 \
+    cudaError_t mok_gpu_e_ = (call);                   \
+    if (mok_gpu_e_ != cudaSuccess) {                   \
+      res = mok_gpu_cuda_fail((l), #call, mok_gpu_e_); \
+      goto label;                                      \
+    }                                                  \
+  } while (0)
+
+/* A launcher's failure, already described in this thread's last error: copies it to the layer. */
+mokResult_t mok_gpu_launcher_failed(mok_layer_t l, mokResult_t r);
+
+/* Makes the layer's device current; the caller's goes to *prev, restored with
+ * cudaSetDevice(*prev). */
+mokResult_t mok_gpu_enter(mok_layer_t l, int *prev);
+
+/* The start of a forward or backward on the GPU: the layer can run there (else the failure,
+ * naming `fn`), its device is current (the caller's in *prev) and `stream` is the one
+ * mok_layer_check will synchronize with. */
+mokResult_t mok_gpu_begin_call(mok_layer_t l, const char *fn, mok_stream_t stream, int *prev);
+
+/* One grouped GEMM of a chain, in the layer's tile order (its tuning's tile_group_m, unless p sets
+ * group_m); `fn` and `what` name it in the error. */
+mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *fn,
+                         const char *what, void *stream);
+
+/* A region of the layer's workspace. */
+static inline void *mok_gpu_ws(mok_layer_t l, mok_ws_region_t r) {
+  return l->gpu->ws + l->gpu->lay.ws[r];
+}
+
+#endif /* MOK_WITH_CUDA */
+
+#endif /* MOK_GPU_GPU_H */

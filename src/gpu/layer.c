@@ -1,0 +1,214 @@
+/*
+ * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h), its sizes, the
+ * start of every call on it, and the asynchronous errors its kernels report through the
+ * workspace's error word (mok_layer_check). W = 1 BF16 layers run on the GPU; other GPU layers
+ * (W > 1, fp8) allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their calls.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/shape.h"
+#include "gpu/gpu.h"
+
+#ifdef MOK_WITH_CUDA
+
+static int gpu_runs(mok_layer_t l) {
+  return l->comm->nranks == 1 && l->d.precision == MOK_PRECISION_BF16;
+}
+
+mokResult_t mok_gpu_cuda_fail(mok_layer_t l, const char *call, cudaError_t e) {
+  cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
+  return mok_fail(l, MOK_ERROR_CUDA, "%s: %s", call, cudaGetErrorString(e));
+}
+
+
+mokResult_t mok_gpu_launcher_failed(mok_layer_t l, mokResult_t r) {
+  memcpy(l->err, mok_last_error(), sizeof(l->err));
+  l->err[sizeof(l->err) - 1] = '\0';
+  return r;
+}
+
+mokResult_t mok_gpu_enter(mok_layer_t l, int *prev) {
+  *prev = l->comm->device;
+  cudaError_t e = cudaGetDevice(prev);
+  if (e == cudaSuccess) e = cudaSetDevice(l->comm->device);
+  return e == cudaSuccess ? MOK_SUCCESS : mok_gpu_cuda_fail(l, "cudaSetDevice", e);
+}
+
+static mok_ws_dims_t gpu_dims(mok_layer_t l) { return mok_ws_dims(&l->d, l->EL, l->capacity_rows); }
+
+mokResult_t mok_gpu_layer_create(mok_layer_t l) {
+  struct mok_gpu_layer *g = calloc(1, sizeof(*g));
+  if (!g) return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_layer_create: calloc");
+  const mok_ws_dims_t dims = gpu_dims(l);
+  mok_ws_layout(&dims, &g->lay);
+  l->gpu = g;
+  if (!gpu_runs(l)) return MOK_SUCCESS; /* forward reports NOT_IMPLEMENTED; nothing to hold */
+  /* The kernels' shape rules (src/common/shape.h), for T_max tokens and the layer's capacity. */
+  const mok_shape_t shape = {l->d.max_tokens, l->d.hidden, l->d.intermediate,
+                             l->d.shared_intermediate, l->EL, l->d.top_k, l->capacity_rows};
+  char why[256];
+  if (mok_shape_check(&shape, why, sizeof(why)) != MOK_SUCCESS) {
+    mok_gpu_layer_destroy(l);
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "mok_layer_create on a GPU: %s", why);
+  }
+  int prev;
+  mokResult_t res = mok_gpu_enter(l, &prev);
+  if (res != MOK_SUCCESS) {
+    mok_gpu_layer_destroy(l);
+    return res;
+  }
+  cudaError_t e = cudaMalloc((void **)&g->ws, g->lay.ws_bytes);
+  if (e != cudaSuccess) {
+    g->ws = NULL;
+    cudaGetLastError();
+    res = mok_fail(NULL, e == cudaErrorMemoryAllocation ? MOK_ERROR_OUT_OF_MEMORY : MOK_ERROR_CUDA,
+                   "mok_layer_create: cudaMalloc of the %zu-byte workspace on GPU %d: %s",
+                   g->lay.ws_bytes, l->comm->device, cudaGetErrorString(e));
+  } else if ((e = cudaMemset(g->ws, 0, g->lay.ws_bytes)) != cudaSuccess ||
+             (e = cudaDeviceSynchronize()) != cudaSuccess) {
+    res = mok_gpu_cuda_fail(NULL, "mok_layer_create: clearing the workspace", e);
+  }
+  cudaSetDevice(prev);
+  if (res != MOK_SUCCESS) mok_gpu_layer_destroy(l);
+  return res;
+}
+
+void mok_gpu_layer_destroy(mok_layer_t l) {
+  if (!l || !l->gpu) return;
+  if (l->gpu->ws) {
+    int prev;
+    if (mok_gpu_enter(l, &prev) == MOK_SUCCESS) {
+      cudaFree(l->gpu->ws); /* waits for kernels still using it */
+      cudaSetDevice(prev);
+    }
+  }
+  free(l->gpu);
+  l->gpu = NULL;
+}
+
+size_t mok_gpu_workspace_bytes(mok_layer_t l) {
+  return l->gpu && l->gpu->ws ? l->gpu->lay.ws_bytes : 0;
+}
+
+size_t mok_gpu_context_bytes(mok_layer_t l) {
+  mok_ws_layout_t lay;
+  const mok_ws_dims_t dims = gpu_dims(l);
+  mok_ws_layout(&dims, &lay);
+  return lay.ctx_bytes;
+}
+
+/* ---- the start of a call ---------------------------------------------------------------------- */
+
+static mokResult_t gpu_check_supported(mok_layer_t l, const char *fn) {
+  if (l->comm->nranks != 1)
+    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
+                    "%s on GPU %d with W = %d ranks: expert parallelism is not implemented on "
+                    "the GPU yet (W = 1 is)",
+                    fn, l->comm->device, l->comm->nranks);
+  if (l->d.precision != MOK_PRECISION_BF16)
+    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
+                    "%s on GPU %d: %s layers are not implemented on the GPU yet (BF16 is); use a "
+                    "BF16 layer, or MOK_DEVICE_CPU for the reference",
+                    fn, l->comm->device,
+                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "fp8-block" : "MXFP8");
+  if (!l->gpu || !l->gpu->ws)
+    return mok_fail(l, MOK_ERROR_INTERNAL, "%s: GPU layer without a workspace", fn);
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_gpu_begin_call(mok_layer_t l, const char *fn, mok_stream_t stream, int *prev) {
+  mokResult_t r = gpu_check_supported(l, fn);
+  if (r != MOK_SUCCESS) return r;
+  if ((r = mok_gpu_enter(l, prev)) != MOK_SUCCESS) return r;
+  l->gpu->last_stream = stream;
+  l->gpu->ran = 1;
+  return MOK_SUCCESS;
+}
+mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *fn,
+                         const char *what, void *stream) {
+  mok_grouped_gemm_params_t q = *p;
+  if (q.group_m == 0) q.group_m = l->tuning.tile_group_m; /* the layer's tuning */
+  const mokResult_t r = mok_grouped_gemm_launch(&q, stream);
+  if (r != MOK_SUCCESS)
+    return mok_fail(l, r, "%s: the %s grouped GEMM (G = %lld, M = %lld, N = %lld, K = %lld) failed "
+                    "to launch: %s", fn, what, (long long)p->num_groups, (long long)p->m_total,
+                    (long long)p->n, (long long)p->k, mok_error_string(r));
+  return MOK_SUCCESS;
+}
+
+
+/* ---- asynchronous errors ---------------------------------------------------------------------- */
+
+mokResult_t mok_gpu_check(mok_layer_t l) {
+  if (!l->gpu || !l->gpu->ws || !l->gpu->ran) return MOK_SUCCESS;
+  int prev;
+  mokResult_t res = mok_gpu_enter(l, &prev);
+  if (res != MOK_SUCCESS) return res;
+  mok_ws_error_t e;
+  void *word = l->gpu->ws + l->gpu->lay.ws[MOK_WS_ERROR];
+  MOK_GPU_CUDA_GOTO(l, cudaStreamSynchronize((cudaStream_t)l->gpu->last_stream), res, done);
+  MOK_GPU_CUDA_GOTO(l, cudaMemcpy(&e, word, sizeof(e), cudaMemcpyDeviceToHost), res, done);
+  if (e.code == 0) goto done;
+  MOK_GPU_CUDA_GOTO(l, cudaMemset(word, 0, sizeof(e)), res, done);
+  MOK_GPU_CUDA_GOTO(l, cudaDeviceSynchronize(), res, done);
+  if (e.kind == MOK_WS_ERR_ID_RANGE)
+    res = mok_fail(l, MOK_ERROR_INVALID_ROUTING,
+                   "topk_idx[%lld][%lld] = %lld is not an expert id in [-1, %lld); that forward "
+                   "computed nothing and left y unchanged",
+                   (long long)e.token, (long long)e.slot, (long long)e.value, (long long)e.limit);
+  else if (e.kind == MOK_WS_ERR_REPEAT)
+    res = mok_fail(l, MOK_ERROR_INVALID_ROUTING,
+                   "topk_idx[%lld][%lld] = %lld repeats the expert of slot %lld (the experts of a "
+                   "token must be distinct); that forward computed nothing and left y unchanged",
+                   (long long)e.token, (long long)e.slot, (long long)e.value, (long long)e.limit);
+  else if (e.kind == MOK_WS_ERR_CAPACITY)
+    res = mok_fail(l, MOK_ERROR_CAPACITY_OVERFLOW,
+                   "%lld routed rows, capacity is %lld (capacity_factor %g x T_max %lld x K "
+                   "%lld); raise capacity_factor or use 0 (automatic); that forward computed "
+                   "nothing and left y unchanged",
+                   (long long)e.value, (long long)e.limit, l->d.capacity_factor,
+                   (long long)l->d.max_tokens, (long long)l->d.top_k);
+  else if (e.kind == MOK_WS_ERR_CONTEXT)
+    res = mok_fail(l, MOK_ERROR_CONTEXT_MISMATCH,
+                   "mok_backward: ctx was not written by a good forward of this layer with these "
+                   "args (%s; the context's forward had %lld tokens); that backward computed "
+                   "nothing and left dx and dtopk_w unchanged (weight gradients: zeroed when "
+                   "overwritten, unchanged when accumulated)",
+                   e.value == MOK_WS_CTX_MAGIC     ? "its forward did not complete with valid routing"
+                   : e.value == MOK_WS_CTX_LAYER   ? "another layer wrote it"
+                   : e.value == MOK_WS_CTX_TOKENS  ? "other number of tokens"
+                   : e.value == MOK_WS_CTX_ROUTING ? "other topk_idx"
+                                                   : "other context mode",
+                   (long long)e.token);
+  else if (e.kind == MOK_WS_ERR_TIMEOUT)
+    res = mok_fail(l, MOK_ERROR_TIMEOUT,
+                   "the fused forward's task %lld waited past the timeout on counter %lld (it "
+                   "reached %lld of %lld): that forward's results are wrong. This points to a "
+                   "scheduling bug, or to CTAs that could not all run at once; please report it",
+                   (long long)e.token, (long long)e.slot, (long long)e.value, (long long)e.limit);
+  else
+    res = mok_fail(l, e.code > 0 && e.code < MOK_NUM_RESULTS ? (mokResult_t)e.code
+                                                             : MOK_ERROR_INTERNAL,
+                   "GPU kernel error of kind %d", (int)e.kind);
+done:
+  cudaSetDevice(prev);
+  return res;
+}
+
+#else /* !MOK_WITH_CUDA: no GPU layer can exist (mok_comm_create_local reports NO_DEVICE) */
+
+mokResult_t mok_gpu_layer_create(mok_layer_t l) {
+  return mok_fail(l, MOK_ERROR_NO_DEVICE, "this build of MoK has no CUDA support");
+}
+void mok_gpu_layer_destroy(mok_layer_t l) { (void)l; }
+size_t mok_gpu_workspace_bytes(mok_layer_t l) { (void)l; return 0; }
+size_t mok_gpu_context_bytes(mok_layer_t l) {
+  mok_ws_layout_t lay;
+  const mok_ws_dims_t dims = mok_ws_dims(&l->d, l->EL, l->capacity_rows);
+  mok_ws_layout(&dims, &lay);
+  return lay.ctx_bytes;
+}
+mokResult_t mok_gpu_check(mok_layer_t l) { (void)l; return MOK_SUCCESS; }
+
+#endif /* MOK_WITH_CUDA */
