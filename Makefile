@@ -10,7 +10,7 @@ CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),)
 BUILD    := build
 
 CFLAGS   := -std=c11 -O2 -g -Wall -Wextra -Werror=implicit-function-declaration -fPIC \
-            -fvisibility=hidden -Iinclude -Isrc
+            -Iinclude -Isrc
 LDLIBS   := -lm -lpthread
 
 HOST_SRCS := $(wildcard src/api/*.c src/cpu/*.c src/gpu/*.c)
@@ -23,7 +23,7 @@ ifneq ($(NVCC),)
   GPU_TEST_SRCS := $(wildcard tests/gpu/*.cu)
   CFLAGS        += -DMOK_WITH_CUDA -I$(CUDA_HOME)/include
   NVCCFLAGS     := -std=c++17 -O3 -g -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-                   -Xcompiler -fPIC,-fvisibility=hidden -Xptxas -v -Iinclude -Isrc -DMOK_WITH_CUDA \
+                   -Xcompiler -fPIC -Xptxas -v -Iinclude -Isrc -DMOK_WITH_CUDA \
                    --expt-relaxed-constexpr
   # No -lcuda: CI machines have no driver; driver entry points come from cudaGetDriverEntryPoint.
   CUDA_LIBS     := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
@@ -47,11 +47,11 @@ endif
 HOST_OBJS := $(HOST_SRCS:%.c=$(BUILD)/%.o)
 CUDA_OBJS := $(CUDA_SRCS:%.cu=$(BUILD)/%.o)
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o) $(GPU_TEST_SRCS:%.cu=$(BUILD)/%.o)
-HEADERS   := $(wildcard include/*.h src/*/*.h src/cuda/*.cuh src/cuda/*/*.h src/cuda/*/*.cuh \
+HEADERS   := $(wildcard include/*.h src/*/*.h bench/driver/*.h src/cuda/*.cuh src/cuda/*/*.h src/cuda/*/*.cuh \
                tests/*.h tests/gpu/*.h tests/gpu/*.cuh)
 
 .PHONY: all test run bench clean check-spills nccl-info
-all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/mok_tests $(BUILD)/mok_run
+all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/libmok_bench.so $(BUILD)/mok_tests $(BUILD)/mok_run
 
 $(BUILD)/%.o: %.c $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -68,6 +68,13 @@ $(BUILD)/%.o: %.cu $(HEADERS)
 # the same objects from libmok.a, so that they can call the internal launchers and entry points.
 $(BUILD)/libmok.so: $(HOST_OBJS) $(CUDA_OBJS) src/api/exports.map
 	$(CC) -shared -o $@ $(HOST_OBJS) $(CUDA_OBJS) -Wl,--version-script=src/api/exports.map $(LDLIBS)
+
+# The benchmarks' library: the same objects and bench/driver (bench/driver/mok_bench.h), exporting
+# the public API and the driver's mok_bench_* functions.
+$(BUILD)/libmok_bench.so: $(HOST_OBJS) $(CUDA_OBJS) $(BUILD)/bench/driver/mok_bench.o src/api/exports.map
+	sed 's/^  local:/    mok_bench_*;\n  local:/' src/api/exports.map > $(BUILD)/bench_exports.map
+	$(CC) -shared -o $@ $(HOST_OBJS) $(CUDA_OBJS) $(BUILD)/bench/driver/mok_bench.o \
+	  -Wl,--version-script=$(BUILD)/bench_exports.map $(LDLIBS)
 
 $(BUILD)/libmok.a: $(HOST_OBJS) $(CUDA_OBJS)
 	rm -f $@ && ar rcs $@ $^
