@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     for (uint32_t k = 0;; k++) {  // k: this CTA's task count (s_ticket's buffer)
       if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(p.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
-      ptx_named_barrier_sync(FK_BAR_P, 32 * gwarps);
+      ptx_named_barrier_sync(MOK_BAR_FUSED_TICKET, 32 * gwarps);
       const int64_t i = s_ticket[k & 1];
       if (i >= num_tasks) {
         fk_post(&ring, full, empty, s_tag, s_task, FK_TAG_END, mok_task_t{}, lt);

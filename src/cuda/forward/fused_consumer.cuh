@@ -45,7 +45,7 @@ template <int PENDING>
 __device__ __forceinline__ void fk_release(const fk_params_t &p, int c, uint32_t count, int cw,
                                            int lt) {
   __syncwarp();
-  ptx_named_barrier_sync(FK_BAR_C + cw, 128);
+  ptx_named_barrier_sync(MOK_BAR_FUSED_EPI + cw, 128);
   if (lt == 0) fk_release_by<PENDING>(p.counters + c, count);
   __syncwarp();
 }
@@ -106,7 +106,7 @@ __device__ __forceinline__ uint32_t *fk_epilogue(const fk_params_t &p, const fk_
                                                  const fk_tile_t &d, const float (&acc)[128],
                                                  float2 w, uint8_t *stage_c, int cw, int lt) {
   const epi_coords_t e = epi_coords(d.row0, d.row_end, d.n0, d.n, d.n, cw);
-  const int bar = FK_BAR_C + cw;
+  const int bar = MOK_BAR_FUSED_EPI + cw;
   if (d.kind == MOK_TASK_DOWN) {
     const int64_t row0 = d.row0 + 64 * cw;
     if (STAGED && row0 + 64 <= d.row_end) {  // all 64 rows in the expert: 2 rounds of 128 columns

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "common/workspace.h"
+#include "cuda/tile/barriers.cuh"
 #include "cuda/tile/pipeline.cuh"
 enum { FK_BM = MOK_FC_TILE_M, FK_BN = 256, FK_STAGES = 4 };
 // The kernel's configurations (STAGED). DOWN tiles and (SHARED_)GATE_UP's a, g and u are stored
@@ -34,10 +35,6 @@ static_assert(FK_BM == 128, "tile height = the layout's row tile (MOK_FC_TILE_M)
 // thread 0's with the stage's TMA byte count, and thread 0's for the producer threads that have
 // left to reduce; stages loaded by TMA alone (and tag-only stages), thread 0 for all.
 #define FK_FULL_ARRIVALS (128 + 1)
-// Named barriers: 1, the producer warps' tickets; 2 + cw, consumer warpgroup cw's own threads (its
-// epilogues and releases).
-#define FK_BAR_P 1
-#define FK_BAR_C 2
 #define FK_TAG_END (-1)  // tag of the stage that tells the consumers there is no task left
 
 

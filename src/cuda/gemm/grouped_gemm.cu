@@ -29,6 +29,7 @@
 #include "cuda/tile/epilogue.cuh"
 #include "cuda/gemm/gemm.h"
 #include "cuda/ptx/ptx.cuh"
+#include "cuda/tile/barriers.cuh"
 #include "cuda/tile/pipeline.cuh"
 #include "cuda/tile/scheduler.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -142,7 +143,7 @@ __device__ __forceinline__ bool gg_skip_rows(const gg_kernel_params_t &p, int wg
 }
 
 // Staged store of output columns [128 H, 128 H + 128) of a consumer warpgroup's tile (or of its
-// 128 SwiGLU columns): tile/epilogue.cuh's epi_store_staged on named barrier 1 + cw.
+// 128 SwiGLU columns): tile/epilogue.cuh's epi_store_staged on named barrier MOK_BAR_GEMM_EPI + cw.
 // WAIT = -1 when round H has a buffer of its own (the 64 KB staging area), so that only the first
 // round waits for the previous tile's stores (WAIT = 0).
 template <int EPI, int H, int WAIT>
@@ -150,7 +151,7 @@ __device__ __forceinline__ void gg_store_staged(const float (&acc)[128], uint8_t
                                                 const CUtensorMap *tm_c, float2 w, int n0, int n,
                                                 int wg_row0, int cw, int lt) {
   epi_store_staged<EPI == MOK_GG_EPI_SWIGLU ? 0 : 16 * H, EPI == MOK_GG_EPI_SWIGLU, WAIT>(
-      acc, stage_c, tm_c, w, n0 + 128 * H, n, wg_row0, 1 + cw, lt);
+      acc, stage_c, tm_c, w, n0 + 128 * H, n, wg_row0, MOK_BAR_GEMM_EPI + cw, lt);
 }
 
 template <int EPI, int B_NMAJOR>
@@ -228,8 +229,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                           (EPI != MOK_GG_EPI_SWIGLU || (!p.g_out && !p.u_out));
       if (staged) {
         if (EPI == MOK_GG_EPI_STORE_F32) {  // two rounds of 32 KB through the same buffer
-          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, 1 + cw, lt);
-          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, 1 + cw, lt);
+          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, MOK_BAR_GEMM_EPI + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.n0, p.n, wg_row0, MOK_BAR_GEMM_EPI + cw, lt);
         } else if (EPI == MOK_GG_EPI_SWIGLU) {
           gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
         } else {  // 256 columns: two rounds of 128

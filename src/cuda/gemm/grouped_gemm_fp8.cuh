@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
       if (STAGED && wg_row0 + 64 <= tile.row_end) {
         epi_store_staged<0, 0, 0>(total, stage_c, &tm_c, make_float2(1.0f, 1.0f), tile.n0, p.n,
-                                  wg_row0, 1 + cw, lt);
+                                  wg_row0, MOK_BAR_GEMM_EPI + cw, lt);
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<64>(total, (__nv_bfloat16 *)p.c, e);
       } else if (EPI == MOK_GG_EPI_STORE_F32) {

@@ -40,6 +40,7 @@
 #include "cuda/backward/backward.h"
 #include "cuda/gemm/gemm.h"
 #include "cuda/ptx/ptx.cuh"
+#include "cuda/tile/barriers.cuh"
 #include "cuda/tile/pipeline.cuh"
 #include "cuda/tile/scheduler.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -137,12 +138,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       if (TMA_STORE && c_row + 64 <= p.n) {     // all 64 rows inside C[g]: staged
         const int row = tile.group * p.n + c_row;  // in the [G N, K] view (< 2^31: launcher)
         if (EPI == MOK_GG_EPI_STORE_BF16) {
-          epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
+          epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
           epi_store_staged_bf16<1, -1>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row,
-                                       1 + cw, lt);
+                                       MOK_BAR_GEMM_EPI + cw, lt);
         } else {
-          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
-          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, 1 + cw, lt);
+          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
         }
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c + c_off, e);

@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "cuda/ptx/ptx.cuh"
+#include "cuda/tile/barriers.cuh"
 #include "cuda/tile/scheduler.cuh"
 
 #define MOK_TP_THREADS 384        // producer warpgroup + 2 consumer warpgroups
@@ -453,7 +454,6 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
 
 #define MOK_TP_WGRAD_CHUNKS 6            // 2 A + 4 B chunks of 8 KB per stage
 #define MOK_TP_WGRAD_CHUNK_BYTES 8192    // [64 rows][128 B]
-#define MOK_TP_BAR_WGRAD_ZERO 3          // named barrier of the 256 consumer threads (1, 2: epilogue)
 
 // Producer, one thread: the k_blocks stages of one k-grouped tile; stage kb holds rows
 // [row0 + 64 kb, row0 + 64 kb + 64) of A columns [a_col0, +128) and B columns [b_col0, +256).
@@ -515,7 +515,7 @@ __device__ __forceinline__ void tp_consume_tile_wgrad_n256(tp_ring_t *ring, uint
       tp_zero_rows_wgrad(stage, last_rows, 128 * wg + (threadIdx.x & 127));
       // NOTE: generic stores read next by wgmma (async proxy): fence in every writer, then meet.
       ptx_fence_proxy_async_smem();
-      ptx_named_barrier_sync(MOK_TP_BAR_WGRAD_ZERO, 256);
+      ptx_named_barrier_sync(MOK_BAR_WGRAD_ZERO, 256);
     }
     // A: this warpgroup's 64 output rows = one chunk, exactly one swizzle atom wide (LBO unused).
     // B: 4 chunks of 64 columns, LBO = 8 KB between them. Both: k16 step = 16 rows of 128 B =
