@@ -12,7 +12,8 @@
  *                                        and those of its own rank's experts (local; in the
  *                                        persistent kernel these are compute tasks)
  *
- * Used by tests and benchmarks on its own; the persistent kernel takes the same device functions.
+ * Used by tests and benchmarks on its own, with a stand-in expert (tp_expert_scale) in place of
+ * the layer's GEMMs; the reusable device functions (flags, waits, dispatch) are comm/transport.cuh.
  *
  * NOTE (reuse without clearing, for MOK_TP_ALL calls): rank s rewrites d's recv_x in call
  * n + 1 only after its own combine of call n finished, which needed d's combine rows of call n,
@@ -30,6 +31,145 @@
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
 #error "MoK's transport targets sm_90a (Hopper) and newer"
 #endif
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The standalone combine: a stand-in expert in place of the layer's                              */
+/* ---------------------------------------------------------------------------------------------- */
+
+// The stand-in expert of the standalone kernel: f(row, e) = bf16(row * (e % 4 + 1)), exact for
+// the tests' payloads, so a misplaced row or a wrong expert is visible bit for bit.
+__device__ __forceinline__ float tp_expert_scale(int e) { return (float)(e % 4 + 1); }
+
+// Sends the rows of the other ranks' tokens home: for received token q (from rank s != this
+// rank, token t there) and every slot k whose expert is on this rank, f(recv_x[q], e_k) goes to
+// comb[t, k] in s's window. Rows of this rank's own tokens are home already: the sum reads them
+// where they are. A warp per received token: a chunk of its row is loaded once and stored once
+// per slot. src_start: [W + 1] first received position of each source rank; estart: [EL] this
+// rank's segment starts (shared memory, filled by the caller). Needs the dispatch counters
+// waited for.
+__device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
+                                                const int32_t *estart) {
+  const int lane = threadIdx.x & 31;
+  const int W = p.nranks;
+  const int64_t K = p.K, H = p.H, chunks = H / 8;
+  const char *my_win = p.peer[p.rank];
+  const int32_t *meta_all = (const int32_t *)(my_win + p.win.recv_meta);
+  // The other sources' positions: [0, own0) and [own1, end).
+  const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
+  const int64_t items = src_start[W] - (own1 - own0);
+  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (p.comb_epoch & 1);
+  for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
+       i = __shfl_sync(0xffffffffu, nx, 0)) {
+    nx = tp_claim(claim, lane);
+    const int64_t q = i < own0 ? i : i + (own1 - own0);
+    int s = 0;
+    while (s + 1 < W && src_start[s + 1] <= q) s++;
+    const int32_t *meta = meta_all + q * (K + 1);
+    const int32_t t = tp_ld_peer_i32(meta);
+    const char *src = my_win + p.win.recv_x + q * H * 2;
+    char *dst_tok = p.peer[s] + p.win.comb + (int64_t)t * K * H * 2;
+    // Slots in groups of 32: lane k holds slot (k0 + k)'s row and scale.
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      int32_t row = -1;
+      if (k0 + lane < K) row = tp_ld_peer_i32(meta + 1 + k0 + lane);
+      const uint32_t kmask = __ballot_sync(0xffffffffu, row >= 0);
+      if (kmask == 0) continue;
+      float scale = 0.f;
+      if (row >= 0) {
+        const int el = tp_local_expert_of_row(estart, (int)p.EL, row);
+        scale = tp_expert_scale((int)(p.rank * p.EL + el));
+      }
+      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
+        uint4 v[TP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < TP_UNROLL; u++) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) v[u] = tp_ld_peer_v4(src + c * 16);
+        }
+        for (uint32_t m = kmask; m; m &= m - 1) {
+          const int k = __ffs(m) - 1;
+          const float sk = __shfl_sync(0xffffffffu, scale, k);
+          char *dst = dst_tok + (k0 + k) * H * 2;
+#pragma unroll
+          for (int u = 0; u < TP_UNROLL; u++) {
+            const int64_t c = c0 + u * 32 + lane;
+            if (c < chunks) tp_st_v4(dst + c * 16, tp_scale_v4(v[u], sk));
+          }
+        }
+      }
+    }
+  }
+}
+
+// y[t] = bf16(sum over k in slot order of the slot's row), skipping empty slots (fp32 sum,
+// DESIGN.md section 2): comb[t, k] for a slot whose expert is on another rank, and for one on
+// this rank the stand-in expert's row computed here, f(x[t], e_k) (that row never left home).
+// slots / scales: [TP_THREADS / 32, K] shared memory per warp. Needs the combine counters
+// waited for.
+__device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, const char **slots,
+                                                  float *scales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t K = p.K, H = p.H, chunks = H / 8;
+  const char *comb = p.peer[p.rank] + p.win.comb;
+  const char **src = slots + (threadIdx.x >> 5) * K;
+  float *scl = scales + (threadIdx.x >> 5) * K;
+  for (int64_t t = tp_grid_warp(); t < p.T; t += tp_grid_warps()) {
+    // The used slots in slot order, packed to the front: a remote slot's comb row (scale 0) or a
+    // local slot's scale (row NULL). NOTE: the loads test the row and the sums the scale; testing
+    // the scale in the loads too (one marker) added a shared-memory read ahead of every load and
+    // made this latency-bound loop ~10% slower (bench/NOTES.md v13).
+    int n = 0, any_local = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      const int64_t k = k0 + lane;
+      int used = 0, local = 0;
+      int32_t e = -1;
+      if (k < K && p.lay.slot_row[t * K + k] >= 0) {
+        used = 1;
+        e = p.topk_idx[t * K + k];
+        local = e / p.EL == p.rank;
+      }
+      const uint32_t um = __ballot_sync(0xffffffffu, used);
+      any_local |= __ballot_sync(0xffffffffu, local) != 0;
+      if (used) {
+        const int j = n + __popc(um & ((1u << lane) - 1u));
+        src[j] = local ? NULL : comb + (t * K + k) * H * 2;
+        scl[j] = local ? tp_expert_scale(e) : 0.f;
+      }
+      n += __popc(um);
+    }
+    __syncwarp();
+    const char *xrow = (const char *)p.x + t * H * 2;
+    char *dst = (char *)p.y + t * H * 2;
+    for (int64_t c = lane; c < chunks; c += 32) {
+      float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      const uint4 xv = any_local ? tp_ld_input_v4(xrow + c * 16) : make_uint4(0, 0, 0, 0);
+      for (int j0 = 0; j0 < n; j0 += 8) {
+        // Up to 8 comb loads back to back (one at a time, a warp here is bound by latency): a
+        // slot past the last or a local one reads as zeros, without a branch between the loads.
+        uint4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const int used = j0 + j < n;
+          const char *r = src[used ? j0 + j : 0];
+          v[j] = tp_ld_peer_v4_if(r + c * 16, used && r != NULL);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          if (j0 + j >= n) break;
+          const float sk = scl[j0 + j];
+          const uint4 w = sk != 0.f ? tp_scale_v4(xv, sk) : v[j];
+          tp_acc_bf16x2(a[0], a[1], w.x);
+          tp_acc_bf16x2(a[2], a[3], w.y);
+          tp_acc_bf16x2(a[4], a[5], w.z);
+          tp_acc_bf16x2(a[6], a[7], w.w);
+        }
+      }
+      tp_st_v4(dst + c * 16, make_uint4(tp_pack_bf16x2(a[0], a[1]), tp_pack_bf16x2(a[2], a[3]),
+                                        tp_pack_bf16x2(a[4], a[5]), tp_pack_bf16x2(a[6], a[7])));
+    }
+    __syncwarp();  // src and scl are rewritten for the next token
+  }
+}
 
 __global__ void __launch_bounds__(LAYOUT_THREADS, 1)
     tp_layout_kernel(const __grid_constant__ mok_tp_params_t p) {
