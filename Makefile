@@ -9,6 +9,8 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),)
 BUILD    := build
 
+# No -fvisibility=hidden here: it would hide mok.h's functions too, and then the version script
+# (src/api/exports.map, local: *) exports nothing. The script alone keeps everything else local.
 CFLAGS   := -std=c11 -O2 -g -Wall -Wextra -Werror=implicit-function-declaration -fPIC \
             -Iinclude -Isrc
 LDLIBS   := -lm -lpthread

@@ -1,17 +1,25 @@
 """mok: a thin Python binding over libmok.so, the fused Mixture-of-Experts layer.
 
 Two levels:
-- mok.Layer works on anything that exposes a data pointer: numpy arrays (bf16 as uint16 bits)
-  or torch tensors; it owns the C layer handle and the saved-context buffer.
-- mok.torch.MoE is a torch.nn.Module whose forward and backward run the layer through
-  torch.autograd (imported lazily, so numpy-only users never need torch).
+- mok.Layer works on numpy arrays (bf16 as uint16 bits) and torch tensors; it owns the C layer
+  handle. It casts nothing: every argument must already have the dtype, shape, device and layout
+  the layer reads, and is checked for them (python/mok/_check.py) before any C call.
+- mok.moe.MoE is a torch.nn.Module whose forward and backward run the layer through
+  torch.autograd (a separate module, so numpy-only users never need torch); it casts what is safe
+  to cast (integer ids to int32, router weights to fp32, parameters to bf16) and documents it.
 
-A layer on device "cpu" runs the plain-C reference backend; on a CUDA device the GPU backend,
-which runs forward and backward of BF16 layers (W = 1) and reports NOT_IMPLEMENTED for fp8
-until those kernels land.
+Devices: "cpu" runs the plain-C reference backend; "cuda:N" (or "cuda", the current device
+torch.cuda.current_device()) the GPU backend, which runs forward and backward of BF16 layers
+(W = 1) and reports NOT_IMPLEMENTED for fp8 until those kernels land. A CPU layer takes host
+memory (numpy arrays, torch CPU tensors), a GPU layer torch tensors on its device.
+
+Every failure raises MokError: .code is the name of a mokResult_t (INVALID_SHAPE, INVALID_VALUE,
+WRONG_DEVICE, INVALID_ROUTING, ...), and the message names the argument ("x", "topk_idx",
+"w['wg']", "grads['dx']", ...) with what was expected and what came.
 """
 import ctypes
 
+from . import _check
 from ._lib import DEVICE_CPU, PRECISIONS, MokError, lib, check
 from ._lib import LayerDesc, Weights, ForwardArgs, BackwardArgs, VERSION_CODE
 
@@ -46,9 +54,23 @@ def _ptr(t):
 
 
 class Layer:
-    """One MoE layer handle. Shapes per DESIGN.md: x [T, H] bf16, topk_idx [T, K] int32,
-    topk_w [T, K] fp32, wg/wu [E, I, H], wd [E, H, I], shared wsg/wsu [Is, H], wsd [H, Is].
-    Arrays must be contiguous and stay alive for the duration of each call."""
+    """One MoE layer handle on one device (W = 1, so EL = E). Arguments, per DESIGN.md:
+
+        x         [T, H]      bf16    T, 0 <= T <= max_tokens, is read from x
+        topk_idx  [T, K]      int32   ids in [0, E), distinct in a row; -1 = an empty slot
+        topk_w    [T, K]      fp32
+        w         dict: wg, wu [E, I, H], wd [E, H, I] bf16; with shared_intermediate = Is > 0
+                  also wsg, wsu [Is, H], wsd [H, Is]. fp8 layers read `quantized` instead
+        y, dy, grads['dx']    [T, H] bf16;  grads['dtopk_w'] [T, K] fp32
+        grads['dwg'] ...      shaped like their weights, fp32 (bf16 with wgrad_fp32=False)
+        ctx, quantized        byte buffers of context_bytes(), quantized_weights_bytes() bytes
+
+    bf16 is torch.bfloat16, or for numpy uint16 holding the bits (bf16_from_float32). Nothing
+    is cast: an argument of another dtype, shape or device, a non-contiguous one, a read-only
+    numpy output, and on a CPU layer an expert id outside [-1, E) raise MokError naming the
+    argument (a GPU layer's kernels find bad ids: check() reports them).
+    device: "cpu", "cuda" (torch.cuda.current_device()), "cuda:N" or a torch.device.
+    Arrays must stay alive for the duration of each call."""
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens,
                  shared_intermediate=0, precision="bf16", device="cpu", wgrad_fp32=True,
@@ -56,8 +78,9 @@ class Layer:
         self._comm, self._layer = ctypes.c_void_p(), ctypes.c_void_p()
         if precision not in PRECISIONS:
             raise MokError("INVALID_VALUE", f"precision {precision!r}: one of {list(PRECISIONS)}")
+        ordinal = _check.device_ordinal(device)
         self._lib = lib()
-        self.device = device
+        self.device, self.ordinal = _check.device_name(ordinal), ordinal
         d = LayerDesc()
         d.struct_size, d.version = ctypes.sizeof(LayerDesc), VERSION_CODE
         d.hidden, d.intermediate, d.num_experts, d.top_k = hidden, intermediate, num_experts, top_k
@@ -66,7 +89,6 @@ class Layer:
         d.wgrad_accumulate, d.context_mode = int(bool(wgrad_accumulate)), int(bool(recompute))
         d.capacity_factor = capacity_factor
         self.desc = d
-        ordinal = DEVICE_CPU if device == "cpu" else int(str(device).split(":")[-1])
         check(self._lib.mok_comm_create_local(ctypes.byref(self._comm), ordinal))
         try:
             check(self._lib.mok_layer_create(ctypes.byref(self._layer), self._comm, ctypes.byref(d)))
@@ -74,6 +96,7 @@ class Layer:
             self._lib.mok_comm_destroy(self._comm)
             self._comm = ctypes.c_void_p()
             raise
+        self._dims = _check.Dims(d, ordinal, self.context_bytes(), self.quantized_weights_bytes())
 
     def close(self):
         if self._layer:
@@ -109,6 +132,8 @@ class Layer:
 
     def quantize_weights(self, w, out):
         """Fills `out` (quantized_weights_bytes() bytes, 16-byte aligned) from the bf16 weights."""
+        _check.weights(self._dims, w)
+        _check.buffer("out", out, self.ordinal, self._dims.quantized_bytes, out=True)
         check(self._lib.mok_quantize_weights(self._layer, ctypes.byref(self._weights(w)),
                                              _ptr(out), None))
 
@@ -118,11 +143,15 @@ class Layer:
 
     def forward(self, x, topk_idx, topk_w, w, y, ctx, quantized=None, stream=None):
         """y <- the layer; ctx (context_bytes() bytes) is written for backward."""
+        T = _check.forward(self._dims, x, topk_idx, topk_w, w, quantized)
+        _check.outputs(self._dims, T, y, ctx)
         a = self._args(x, topk_idx, topk_w, w, quantized)
         check(self._lib.mok_forward(self._layer, ctypes.byref(a), _ptr(y), _ptr(ctx), stream))
 
     def backward(self, x, topk_idx, topk_w, w, ctx, dy, grads, quantized=None, stream=None):
         """grads: dict with dx, dtopk_w, dwg, dwu, dwd (and dwsg, dwsu, dwsd with a shared expert)."""
+        T = _check.forward(self._dims, x, topk_idx, topk_w, w, quantized)
+        _check.gradients(self._dims, T, ctx, dy, grads)
         a = self._args(x, topk_idx, topk_w, w, quantized)
         g = BackwardArgs(_ptr(dy), *(_ptr(grads.get(k)) for k in
                                      ("dx", "dtopk_w", "dwg", "dwu", "dwd", "dwsg", "dwsu", "dwsd")))

@@ -1,29 +1,71 @@
 """moe.py: the PyTorch face of MoK: an autograd Function over mok.Layer and an nn.Module.
 
     from mok.moe import MoE
-    moe = MoE(hidden=2048, intermediate=768, num_experts=128, top_k=8, max_tokens=16384)
-    y = moe(x, topk_idx, topk_w)          # x [T, H] bf16, topk_idx [T, K] int32, topk_w [T, K] fp32
+    moe = MoE(hidden=2048, intermediate=768, num_experts=128, top_k=8, max_tokens=16384,
+              device="cuda")
+    y = moe(x, topk_idx, topk_w)          # x [T, H] bf16, topk_idx [T, K] int, topk_w [T, K] float
     y.float().sum().backward()            # grads of x, topk_w and every weight
 
-Weights are bf16 Parameters in PyTorch Linear layout; weight gradients come back in fp32 from the
-library and are cast to the parameters' dtype. fp8 layers quantize the weights at every forward.
+What forward takes, and what it casts. Everything is then checked by mok.Layer (python/mok/
+_check.py) against the layer, and a bad argument raises mok.MokError naming it, before any C call.
+    x         [T, H] torch.bfloat16, T <= max_tokens. Not cast: y and dx are bf16 whatever x is,
+              so a float32 or float16 x would leave the layer as bf16 and its rounding would be
+              hidden here; x of another dtype raises (pass x.to(torch.bfloat16)).
+    topk_idx  [T, K] int32 or int64 (torch.topk's; also int16, int8, uint8), -1 = an empty slot:
+              copied to int32. A CPU tensor is first checked to hold only ids in [-1, E), so
+              2^32 + 1 raises instead of wrapping to expert 1. On a GPU a check would synchronize:
+              int64 ids are clamped to int32's range, and the kernels report any id outside
+              [-1, E) as bad routing through moe.layer.check(); no id wraps onto a valid expert.
+    topk_w    [T, K] any floating dtype: rounded to fp32 (exact from bf16 and float16); its
+              gradient comes back in topk_w's dtype.
+    non-contiguous x, topk_idx, topk_w (and the dy of backward): a contiguous copy.
+Parameters are bf16 in PyTorch Linear layout: wg, wu [E, I, H], wd [E, H, I], and with a shared
+expert wsg, wsu [Is, H], wsd [H, Is]. After moe.float(), .half() or .double() they are rounded to
+bf16 for each call (a copy per forward; the layer computes in bf16), never reinterpreted, and
+their gradients (fp32 from the library) come back in the parameters' dtype, so fp32 master weights
+get the fp32 gradient itself. Parameters must stay on the layer's device: moe.to(another device)
+makes forward raise WRONG_DEVICE. fp8 layers quantize the weights at every forward.
 """
 import math
 
 import torch
 
-from . import Layer
+from . import Layer, MokError, _check
+
+_NAMES = ("wg", "wu", "wd", "wsg", "wsu", "wsd")
+_ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 def _stream(t):
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
+def _expert_ids(layer, topk_idx):
+    """topk_idx as int32, never wrapped (see the module docstring)."""
+    if topk_idx.dtype not in _ID_DTYPES:
+        raise MokError("INVALID_VALUE", f"topk_idx: dtype {topk_idx.dtype}, expected an integer "
+                                        f"dtype (int32 or int64; int16, int8, uint8)")
+    if topk_idx.dtype == torch.int32:
+        return topk_idx.contiguous()
+    if topk_idx.device.type == "cpu":
+        _check.expert_ids("topk_idx", topk_idx, layer.desc.num_experts)
+    elif topk_idx.dtype == torch.int64:
+        topk_idx = topk_idx.clamp(_check.INT32_MIN, _check.INT32_MAX)
+    return topk_idx.to(torch.int32).contiguous()
+
+
+def _bf16(name, p):
+    """A parameter as the layer reads it: bf16 and contiguous (a rounded copy when it is not)."""
+    if not p.is_floating_point():
+        raise MokError("INVALID_VALUE", f"w['{name}']: dtype {p.dtype}, expected a floating dtype "
+                                        f"(bf16; others are rounded to bf16)")
+    return p.detach().to(torch.bfloat16).contiguous()
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, topk_idx, topk_w, *weights):
-        names = ("wg", "wu", "wd", "wsg", "wsu", "wsd")
-        w = {k: v.detach().contiguous() for k, v in zip(names, weights) if v is not None}
+        w = {k: _bf16(k, v) for k, v in zip(_NAMES, weights) if v is not None}
         x, topk_idx, topk_w = x.detach().contiguous(), topk_idx.contiguous(), topk_w.detach().contiguous()
         y = torch.empty_like(x)
         saved = torch.empty(layer.context_bytes(), dtype=torch.uint8, device=x.device)
@@ -33,6 +75,7 @@ class _MoEFunction(torch.autograd.Function):
             layer.quantize_weights(w, quantized)
         layer.forward(x, topk_idx, topk_w, w, y, saved, quantized, _stream(x))
         ctx.layer, ctx.w, ctx.quantized = layer, w, quantized
+        ctx.dtypes = {k: v.dtype for k, v in zip(_NAMES, weights) if v is not None}
         ctx.save_for_backward(x, topk_idx, topk_w, saved)
         return y
 
@@ -40,24 +83,31 @@ class _MoEFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_w, saved = ctx.saved_tensors
         layer, w = ctx.layer, ctx.w
-        dy = dy.to(torch.bfloat16).contiguous()
+        dy = dy.to(torch.bfloat16).contiguous()  # y is bf16, so dy is; a sum's dy is expanded
         grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(topk_w)}
+        wgrad = torch.float32 if layer.desc.wgrad_dtype else torch.bfloat16
         for k, v in w.items():
-            grads["d" + k] = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+            grads["d" + k] = torch.empty(v.shape, dtype=wgrad, device=v.device)
         layer.backward(x, topk_idx, topk_w, w, saved, dy, grads, ctx.quantized, _stream(x))
-        dws = [grads["d" + k].to(w[k].dtype) if k in w else None
-               for k in ("wg", "wu", "wd", "wsg", "wsu", "wsd")]
+        dws = [grads["d" + k].to(ctx.dtypes[k]) if k in w else None for k in _NAMES]
         return (None, grads["dx"], None, grads["dtopk_w"], *dws)
 
 
 class MoE(torch.nn.Module):
-    """A MoE layer with routed experts (and optionally a shared expert) on one device (W = 1)."""
+    """A MoE layer with routed experts (and optionally a shared expert) on one device (W = 1).
+
+    device: "cpu" (the plain-C reference backend), "cuda" (torch.cuda.current_device() at
+    construction), "cuda:N", or a torch.device naming one of these; anything else raises
+    MokError. forward(x [T, H] bf16, topk_idx [T, K] int, topk_w [T, K] float) -> y [T, H] bf16;
+    the module docstring lists what is cast and what raises.
+    """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens, shared_intermediate=0,
                  precision="bf16", device="cpu", recompute=False):
         super().__init__()
         self.layer = Layer(hidden, intermediate, num_experts, top_k, max_tokens,
-                           shared_intermediate, precision, str(device), recompute=recompute)
+                           shared_intermediate, precision, device, recompute=recompute)
+        device = torch.device(self.layer.device)  # "cuda" resolved to its ordinal
         H, I, E, Is = hidden, intermediate, num_experts, shared_intermediate
 
         def param(*shape, fan_in):
@@ -71,5 +121,9 @@ class MoE(torch.nn.Module):
             self.wsg = self.wsu = self.wsd = None
 
     def forward(self, x, topk_idx, topk_w):
-        return _MoEFunction.apply(self.layer, x, topk_idx.to(torch.int32), topk_w.float(), self.wg,
-                                  self.wu, self.wd, self.wsg, self.wsu, self.wsd)
+        if not topk_w.is_floating_point():
+            raise MokError("INVALID_VALUE", f"topk_w: dtype {topk_w.dtype}, expected a floating "
+                                            f"dtype (fp32; others are rounded to fp32)")
+        return _MoEFunction.apply(self.layer, x, _expert_ids(self.layer, topk_idx),
+                                  topk_w.to(torch.float32), self.wg, self.wu, self.wd, self.wsg,
+                                  self.wsu, self.wsd)
