@@ -35,16 +35,19 @@ static void nl_split(int v, int *major, int *minor, int *patch) {
   *patch = v % 100;
 }
 
-mokResult_t mok_nccl_check_version(int version, const char *library) {
+/* The steps below write the reason for a failure into why[MOK_ERR_LEN] and return its code; the
+ * public functions record it (mok_fail prefixes the code's name, so a reason is recorded once). */
+static mokResult_t nl_check_version(int version, const char *library, char *why) {
   int major, minor, patch;
   nl_split(version, &major, &minor, &patch);
   if (major == NCCL_MAJOR && minor == NCCL_MINOR && version >= 22800) return MOK_SUCCESS;
-  return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
-                  "%s is NCCL %d.%d.%d, but MoK was built against NCCL %d.%d.%d headers "
-                  "(NCCL_VERSION_CODE %d) and needs NCCL %d.%d.x at run time: the device API "
-                  "(2.28+) lays out its structs per minor version",
-                  library, major, minor, patch, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH,
-                  NCCL_VERSION_CODE, NCCL_MAJOR, NCCL_MINOR);
+  snprintf(why, MOK_ERR_LEN,
+           "%s is NCCL %d.%d.%d, but MoK was built against NCCL %d.%d.%d headers "
+           "(NCCL_VERSION_CODE %d) and needs NCCL %d.%d.x at run time: the device API (2.28+) "
+           "lays out its structs per minor version",
+           library, major, minor, patch, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH, NCCL_VERSION_CODE,
+           NCCL_MAJOR, NCCL_MINOR);
+  return MOK_ERROR_NOT_AVAILABLE;
 }
 
 /* The file behind a dlopen handle, as the dynamic loader names it. */
@@ -55,38 +58,54 @@ static const char *nl_path(void *lib) {
   return lm->l_name;
 }
 
-mokResult_t mok_nccl_bind(void *lib, mok_nccl_api_t *api) {
+static mokResult_t nl_bind(void *lib, mok_nccl_api_t *api, char *why) {
   memset(api, 0, sizeof *api);
   api->path = nl_path(lib);
   // The version first: a missing function of an older NCCL is best explained by its version.
   api->ncclGetVersion = (ncclResult_t(*)(int *))dlsym(lib, "ncclGetVersion");
-  if (!api->ncclGetVersion)
-    return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE, "%s has no ncclGetVersion: not an NCCL library",
-                    api->path);
+  if (!api->ncclGetVersion) {
+    snprintf(why, MOK_ERR_LEN, "%s has no ncclGetVersion: not an NCCL library", api->path);
+    return MOK_ERROR_NOT_AVAILABLE;
+  }
   ncclResult_t r = api->ncclGetVersion(&api->version);
-  if (r != ncclSuccess)
-    return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE, "%s: ncclGetVersion returned %d", api->path,
-                    (int)r);
-  mokResult_t res = mok_nccl_check_version(api->version, api->path);
+  if (r != ncclSuccess) {
+    snprintf(why, MOK_ERR_LEN, "%s: ncclGetVersion returned %d", api->path, (int)r);
+    return MOK_ERROR_NOT_AVAILABLE;
+  }
+  mokResult_t res = nl_check_version(api->version, api->path, why);
   if (res != MOK_SUCCESS) return res;
   int major, minor, patch;
   nl_split(api->version, &major, &minor, &patch);
-#define NL_RESOLVE(ret, name, params)                                                           \
-  api->name = (ret(*) params)dlsym(lib, #name);                                                 \
-  if (!api->name)                                                                               \
-    return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,                                              \
-                    "%s (NCCL %d.%d.%d) has no %s, which MoK calls (built against NCCL "        \
-                    "%d.%d.%d headers)",                                                        \
-                    api->path, major, minor, patch, #name, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+#define NL_RESOLVE(ret, name, params)                                                         \
+  api->name = (ret(*) params)dlsym(lib, #name);                                               \
+  if (!api->name) {                                                                           \
+    snprintf(why, MOK_ERR_LEN,                                                                \
+             "%s (NCCL %d.%d.%d) has no %s, which MoK calls (built against NCCL %d.%d.%d "    \
+             "headers)",                                                                      \
+             api->path, major, minor, patch, #name, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);      \
+    return MOK_ERROR_NOT_AVAILABLE;                                                           \
+  }
   MOK_NCCL_FUNCTIONS(NL_RESOLVE)
 #undef NL_RESOLVE
   return MOK_SUCCESS;
 }
 
+mokResult_t mok_nccl_check_version(int version, const char *library) {
+  char why[MOK_ERR_LEN];
+  mokResult_t res = nl_check_version(version, library, why);
+  return res == MOK_SUCCESS ? res : mok_fail_msg(NULL, res, why);
+}
+
+mokResult_t mok_nccl_bind(void *lib, mok_nccl_api_t *api) {
+  char why[MOK_ERR_LEN];
+  mokResult_t res = nl_bind(lib, api, why);
+  return res == MOK_SUCCESS ? res : mok_fail_msg(NULL, res, why);
+}
+
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static mok_nccl_api_t g_api;
 static mokResult_t g_res;
-static char g_why[MOK_ERR_LEN];
+static char g_why[MOK_ERR_LEN + 128]; /* why g_res is not MOK_SUCCESS (cut when recorded) */
 
 static void nl_load(void) {
   char tried[MOK_ERR_LEN / 2] = "";
@@ -101,31 +120,29 @@ static void nl_load(void) {
   }
 #endif
   if (!lib) {
-    g_res = mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
-                     "NCCL is not available (%s); MoK's expert parallelism needs NCCL %d.%d "
-                     "(the version of its headers) at run time: install it or put the directory "
-                     "of its " NL_SONAME " in LD_LIBRARY_PATH",
-                     tried, NCCL_MAJOR, NCCL_MINOR);
-  } else if ((g_res = mok_nccl_bind(lib, &g_api)) != MOK_SUCCESS) {
-    if (in_process) {
-      char why[MOK_ERR_LEN];
-      snprintf(why, sizeof why, "%s", mok_last_error());
-      mok_fail(NULL, g_res,
-               "%s; this NCCL was already loaded in the process (by the application "
-               "or another library) and MoK can only share it",
-               why);
-    }
-    memset(&g_api, 0, sizeof g_api);
-    dlclose(lib);  // ours no more: the application may still load the NCCL it wants
+    g_res = MOK_ERROR_NOT_AVAILABLE;
+    snprintf(g_why, sizeof g_why,
+             "NCCL is not available (%s); MoK's expert parallelism needs NCCL %d.%d (the version "
+             "of its headers) at run time: install it or put the directory of its " NL_SONAME
+             " in LD_LIBRARY_PATH",
+             tried, NCCL_MAJOR, NCCL_MINOR);
+    return;
   }
-  if (g_res != MOK_SUCCESS) snprintf(g_why, sizeof g_why, "%s", mok_last_error());
+  char why[MOK_ERR_LEN];
+  if ((g_res = nl_bind(lib, &g_api, why)) == MOK_SUCCESS) return;
+  snprintf(g_why, sizeof g_why, "%s%s", why,
+           in_process ? "; this NCCL was already loaded in the process (by the application or "
+                        "another library) and MoK can only share it"
+                      : "");
+  memset(&g_api, 0, sizeof g_api);
+  dlclose(lib);  // ours no more: the application may still load the NCCL it wants
 }
 
 mokResult_t mok_nccl_api(const mok_nccl_api_t **api) {
   *api = NULL;
   if (pthread_once(&g_once, nl_load) != 0)
     return mok_fail(NULL, MOK_ERROR_INTERNAL, "pthread_once failed while loading NCCL");
-  if (g_res != MOK_SUCCESS) return mok_fail(NULL, g_res, "%s", g_why);
+  if (g_res != MOK_SUCCESS) return mok_fail_msg(NULL, g_res, g_why);
   *api = &g_api;
   return MOK_SUCCESS;
 }
