@@ -7,6 +7,11 @@
  * dynamic loader finds it, else (3) libnccl.so.2 in the build's NCCL directory. The outcome,
  * table or reason, holds for the life of the process.
  *
+ * NOTE: the first to load libnccl.so.2 decides for the whole process: a library loaded later that
+ * needs libnccl.so.2 (PyTorch) binds to the one MoK loaded, whatever its version. Import PyTorch
+ * before MoK's first NCCL call (a communicator from a unique id or an NCCL communicator); a layer
+ * on a local communicator never loads NCCL.
+ *
  * Only builds with NCCL headers (MOK_WITH_NCCL) have it. The device side (nccl_device.h, inline
  * functions compiled into a setup kernel) stays in src/cuda/comm/nccl_window.cu, which checks
  * this table's signatures against the headers' declarations at compile time.
