@@ -24,7 +24,7 @@
 
 /* ---- the dynamic section of an ELF64 file ---------------------------------------------------- */
 
-enum { MAX_NAMES = 64, NAME_LEN = 128 };
+enum { MAX_NAMES = 64, NAME_LEN = 128, PATH_LEN = 1024, WHY_LEN = PATH_LEN + 64 };
 
 typedef struct {
   char needed[MAX_NAMES][NAME_LEN]; /* DT_NEEDED entries, in order */
@@ -108,7 +108,7 @@ static int needs(const elf_deps_t *d, const char *part) {
 
 /* build/libmok.so, found next to this executable (build/mok_tests). */
 static int libmok_path(char *path, size_t len) {
-  char exe[4096];
+  char exe[PATH_LEN];
   const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   if (n <= 0) return 0;
   exe[n] = 0;
@@ -120,7 +120,7 @@ static int libmok_path(char *path, size_t len) {
 }
 
 MOK_TEST(nccl_libmok_does_not_link_nccl) {
-  char path[4200], why[256] = "";
+  char path[PATH_LEN + 16], why[WHY_LEN + 16] = "";
   if (!libmok_path(path, sizeof path))
     MOK_SKIP("libmok.so is not built next to mok_tests (make all)");
   elf_deps_t d;
@@ -138,7 +138,7 @@ MOK_TEST(nccl_libmok_does_not_link_nccl) {
 /* The same reader sees NCCL where it is linked on purpose: in this executable. */
 MOK_TEST(nccl_elf_reader_sees_linked_nccl) {
 #if defined(MOK_WITH_NCCL) && defined(MOK_NCCL_LIBDIR)
-  char why[256] = "";
+  char why[WHY_LEN + 16] = "";
   elf_deps_t d;
   MOK_REQUIRE_MSG(elf_read_deps("/proc/self/exe", &d, why, sizeof why), "%s", why);
   MOK_EXPECT_MSG(needs(&d, "libnccl.so"), "mok_tests links libnccl.so.2, but the reader missed it");
