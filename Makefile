@@ -32,7 +32,11 @@ ifneq ($(NVCC),)
   LDLIBS        += $(CUDA_LIBS) -lstdc++
   # NCCL 2.28+ with the device API headers, for expert parallelism: NCCL_HOME when given, else
   # the CUDA toolkit's, else the nvidia-nccl Python wheel (PyTorch's). Without it the NCCL
-  # constructors report MOK_ERROR_NOT_AVAILABLE. The wheel ships only libnccl.so.2.
+  # constructors report MOK_ERROR_NOT_AVAILABLE. Only the headers are used at build time:
+  # libmok.so never links libnccl (an application loading MoK first must still get its own NCCL,
+  # e.g. PyTorch's); src/gpu/nccl_loader.c dlopens libnccl.so.2 on first use, the one already in
+  # the process if any, else the loader's search, else NCCL_LIBDIR's. mok_tests links it, as an
+  # application owning NCCL communicators does. The wheel ships only libnccl.so.2.
   ifeq ($(NCCL_HOME),)
     NCCL_HOME := $(shell if [ -f "$(CUDA_HOME)/include/nccl_device.h" ]; then echo "$(CUDA_HOME)"; \
                    else python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null; fi)
@@ -42,7 +46,11 @@ ifneq ($(NVCC),)
     # before the toolkit's include dir, which may hold another nccl.h
     CFLAGS      := -DMOK_WITH_NCCL -I$(NCCL_HOME)/include $(CFLAGS)
     NVCCFLAGS   := -DMOK_WITH_NCCL -I$(NCCL_HOME)/include $(NVCCFLAGS)
-    LDLIBS      += -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -l:libnccl.so.2
+    LDLIBS      += -ldl
+    ifneq ($(NCCL_LIBDIR),)
+      CFLAGS         += -DMOK_NCCL_LIBDIR='"$(NCCL_LIBDIR)"'
+      NCCL_TEST_LIBS := -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -l:libnccl.so.2
+    endif
   endif
 endif
 
@@ -82,7 +90,7 @@ $(BUILD)/libmok.a: $(HOST_OBJS) $(CUDA_OBJS)
 	rm -f $@ && ar rcs $@ $^
 
 $(BUILD)/mok_tests: $(TEST_OBJS) $(BUILD)/libmok.a
-	$(CC) -o $@ $(TEST_OBJS) $(BUILD)/libmok.a $(LDLIBS) $(if $(NVCC),-lcublas)
+	$(CC) -o $@ $(TEST_OBJS) $(BUILD)/libmok.a $(LDLIBS) $(if $(NVCC),-lcublas) $(NCCL_TEST_LIBS)
 
 $(BUILD)/mok_run: $(BUILD)/tools/mok_run.o $(BUILD)/libmok.a
 	$(CC) -o $@ $< $(BUILD)/libmok.a $(LDLIBS)
@@ -118,7 +126,8 @@ bench: all
 	@if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then NCCL_NVLS_ENABLE=0 python3 bench/transport.py; \
 	else echo "SKIP transport benchmark: needs 2 GPUs"; fi
 
-# Which NCCL the build uses (empty: none, the transport reports MOK_ERROR_NOT_AVAILABLE).
+# Which NCCL headers the build uses (empty: none, the transport reports MOK_ERROR_NOT_AVAILABLE)
+# and the directory of the libnccl.so.2 that the run-time loader tries last.
 nccl-info:
 	@echo "NCCL_HOME=$(NCCL_HOME) NCCL_LIBDIR=$(NCCL_LIBDIR)"
 

@@ -24,7 +24,7 @@ extern "C" {
  * Everything here is plain C; bench/transport.py calls the mok_transport_* functions through ctypes.
  */
 
-/* ---- symmetric window (src/cuda/nccl_window.cu: the only file that includes nccl_device.h) ---- */
+/* ---- symmetric window (src/cuda/comm/nccl_window.cu: the only file with nccl_device.h) ------- */
 
 /* One symmetric allocation registered with an NCCL communicator. peer[r] is rank r's base address
  * as mapped on this GPU, read once at setup (peer[rank] is NCCL's alias of `local` in its flat
@@ -38,8 +38,9 @@ typedef struct {
 
 /* The NCCL side of a communicator, an opaque pair (ncclComm_t, ncclDevComm). Every function
  * reports MOK_ERROR_NCCL / MOK_ERROR_CUDA with the library's message, or MOK_ERROR_NOT_AVAILABLE
- * with the reason (built without NCCL, NCCL too old or too new for the headers, no symmetric
- * memory, ranks outside one NVLink domain, no peer access). */
+ * with the reason (built without NCCL, no NCCL at run time or one too old or too new for the
+ * headers: see src/gpu/nccl_loader.h, no symmetric memory, ranks outside one NVLink domain, no
+ * peer access). */
 mokResult_t mok_nccl_get_unique_id(void *id, size_t id_bytes);
 mokResult_t mok_nccl_comm_init_rank(void **nccl, const void *id, int rank, int nranks, int device);
 mokResult_t mok_nccl_comm_query(void *nccl, int *rank, int *nranks, int *device);

@@ -5,13 +5,20 @@
  * the peer base addresses read once by a setup kernel (ncclGetLsaPointer, NCCL 2.28) and handed
  * back as a plain table. Kernels elsewhere use those raw pointers and their own flags.
  *
+ * NCCL's host functions are called through the table of src/gpu/nccl_loader.c, bound at run time
+ * (libmok.so does not link libnccl); its signatures are checked against the headers' here. The
+ * device functions of nccl_device.h are inline and compiled into the setup kernel: they read the
+ * window struct that the headers lay out and need no NCCL symbol at link time, which is why the
+ * loader accepts only the headers' major.minor version.
+ *
  * NCCL falls back to plain memory without a word when symmetric memory is unavailable, so a window
  * is accepted only when (1) the device communicator exists (NCCL checked symmetric support and
  * every rank is in one NVLink domain), (2) every peer address is distinct and, where CUDA can
  * tell, device memory this GPU can access, and (3) a probe works: every rank writes a tag into
  * each peer's window through those addresses and, after a barrier, finds every peer's tag.
  *
- * Without NCCL (MOK_WITH_NCCL undefined) every function reports MOK_ERROR_NOT_AVAILABLE.
+ * Without NCCL headers (MOK_WITH_NCCL undefined) every function reports MOK_ERROR_NOT_AVAILABLE;
+ * with them but no usable NCCL at run time, the loader's reason is reported the same way.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -27,10 +34,21 @@ extern "C" {
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <type_traits>
+
+#include "gpu/nccl_loader.h"
+
+// The loader's table has the headers' signatures, function by function.
+#define NW_SAME_SIGNATURE(ret, name, params)                                               \
+  static_assert(std::is_same<decltype(&::name), decltype(mok_nccl_api_t::name)>::value,   \
+                "mok_nccl_api_t::" #name " differs from its declaration in the NCCL headers");
+MOK_NCCL_FUNCTIONS(NW_SAME_SIGNATURE)
+#undef NW_SAME_SIGNATURE
+
 #define NW_ALIGN ((size_t)2 << 20) /* registration needs 4 KB; 2 MB is the cuMem granularity */
 
-static mokResult_t nw_nccl_fail(const char *call, ncclResult_t r) {
-  return mok_fail(NULL, MOK_ERROR_NCCL, "%s: %s", call, ncclGetErrorString(r));
+static mokResult_t nw_nccl_fail(const mok_nccl_api_t *lib, const char *fn, ncclResult_t r) {
+  return mok_fail(NULL, MOK_ERROR_NCCL, "%s: %s", fn, lib->ncclGetErrorString(r));
 }
 
 static mokResult_t nw_cuda_fail(const char *call, cudaError_t e) {
@@ -38,10 +56,11 @@ static mokResult_t nw_cuda_fail(const char *call, cudaError_t e) {
   return mok_fail(NULL, MOK_ERROR_CUDA, "%s: %s", call, cudaGetErrorString(e));
 }
 
-#define NW_NCCL(call)                                                    \
+// NW_NCCL(lib, ncclCommCount, (c, &n)): calls lib->ncclCommCount(c, &n), returns its failure.
+#define NW_NCCL(lib, fn, args)                                           \
   do {                                                                   \
-    ncclResult_t nw_r_ = (call);                                         \
-    if (nw_r_ != ncclSuccess) return nw_nccl_fail(#call, nw_r_);         \
+    ncclResult_t nw_r_ = (lib)->fn args;                                 \
+    if (nw_r_ != ncclSuccess) return nw_nccl_fail(lib, #fn, nw_r_);      \
   } while (0)
 
 #define NW_CUDA_GOTO(call, res, label)                                   \
@@ -53,26 +72,15 @@ static mokResult_t nw_cuda_fail(const char *call, cudaError_t e) {
     }                                                                    \
   } while (0)
 
-/* The headers we compiled against describe the device-communicator structs; another minor
- * version of the library may lay them out differently. */
-static mokResult_t nw_check_version(void) {
-  int v = 0;
-  NW_NCCL(ncclGetVersion(&v));
-  const int major = v / 10000, minor = (v % 10000) / 100;
-  if (major != NCCL_MAJOR || minor != NCCL_MINOR || v < 22800)
-    return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
-                    "NCCL %d.%d at run time, but MoK was built against NCCL %d.%d headers; the "
-                    "device API (2.28+) needs the same minor version",
-                    major, minor, NCCL_MAJOR, NCCL_MINOR);
-  return MOK_SUCCESS;
-}
-
 extern "C" mokResult_t mok_nccl_get_unique_id(void *id, size_t id_bytes) {
   static_assert(sizeof(ncclUniqueId) <= sizeof(mok_unique_id_t), "NCCL id fits MoK's id");
   if (id_bytes < sizeof(ncclUniqueId))
     return mok_fail(NULL, MOK_ERROR_INTERNAL, "unique id buffer of %zu bytes", id_bytes);
+  const mok_nccl_api_t *lib;
+  mokResult_t res = mok_nccl_api(&lib);
+  if (res != MOK_SUCCESS) return res;
   ncclUniqueId u;
-  NW_NCCL(ncclGetUniqueId(&u));
+  NW_NCCL(lib, ncclGetUniqueId, (&u));
   memset(id, 0, id_bytes);
   memcpy(id, &u, sizeof u);
   return MOK_SUCCESS;
@@ -81,7 +89,8 @@ extern "C" mokResult_t mok_nccl_get_unique_id(void *id, size_t id_bytes) {
 extern "C" mokResult_t mok_nccl_comm_init_rank(void **nccl, const void *id, int rank, int nranks,
                                                int device) {
   *nccl = NULL;
-  mokResult_t res = nw_check_version();
+  const mok_nccl_api_t *lib;
+  mokResult_t res = mok_nccl_api(&lib);
   if (res != MOK_SUCCESS) return res;
   ncclUniqueId u;
   memcpy(&u, id, sizeof u);
@@ -90,34 +99,41 @@ extern "C" mokResult_t mok_nccl_comm_init_rank(void **nccl, const void *id, int 
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return nw_cuda_fail("cudaSetDevice", e);
   ncclComm_t c = NULL;
-  ncclResult_t r = ncclCommInitRank(&c, nranks, u, rank);
+  ncclResult_t r = lib->ncclCommInitRank(&c, nranks, u, rank);
   cudaSetDevice(prev);
-  if (r != ncclSuccess) return nw_nccl_fail("ncclCommInitRank", r);
+  if (r != ncclSuccess) return nw_nccl_fail(lib, "ncclCommInitRank", r);
   *nccl = c;
   return MOK_SUCCESS;
 }
 
 extern "C" mokResult_t mok_nccl_comm_query(void *nccl, int *rank, int *nranks, int *device) {
+  const mok_nccl_api_t *lib;
+  mokResult_t res = mok_nccl_api(&lib);
+  if (res != MOK_SUCCESS) return res;
   ncclComm_t c = (ncclComm_t)nccl;
-  NW_NCCL(ncclCommUserRank(c, rank));
-  NW_NCCL(ncclCommCount(c, nranks));
-  NW_NCCL(ncclCommCuDevice(c, device));
+  NW_NCCL(lib, ncclCommUserRank, (c, rank));
+  NW_NCCL(lib, ncclCommCount, (c, nranks));
+  NW_NCCL(lib, ncclCommCuDevice, (c, device));
   return MOK_SUCCESS;
 }
 
 extern "C" mokResult_t mok_nccl_comm_destroy(void *nccl) {
   if (!nccl) return MOK_SUCCESS;
+  const mok_nccl_api_t *lib;
+  mokResult_t res = mok_nccl_api(&lib);
+  if (res != MOK_SUCCESS) return res;
   ncclComm_t c = (ncclComm_t)nccl;
-  ncclResult_t r = ncclCommFinalize(c);
-  ncclResult_t r2 = ncclCommDestroy(c);
-  if (r != ncclSuccess) return nw_nccl_fail("ncclCommFinalize", r);
-  if (r2 != ncclSuccess) return nw_nccl_fail("ncclCommDestroy", r2);
+  ncclResult_t r = lib->ncclCommFinalize(c);
+  ncclResult_t r2 = lib->ncclCommDestroy(c);
+  if (r != ncclSuccess) return nw_nccl_fail(lib, "ncclCommFinalize", r);
+  if (r2 != ncclSuccess) return nw_nccl_fail(lib, "ncclCommDestroy", r2);
   return MOK_SUCCESS;
 }
 
 extern "C" mokResult_t mok_nccl_devcomm_create(void *nccl, void **devcomm) {
   *devcomm = NULL;
-  mokResult_t res = nw_check_version();
+  const mok_nccl_api_t *lib;
+  mokResult_t res = mok_nccl_api(&lib);
   if (res != MOK_SUCCESS) return res;
   ncclComm_t c = (ncclComm_t)nccl;
   ncclDevComm *dc = (ncclDevComm *)calloc(1, sizeof(ncclDevComm));
@@ -128,17 +144,17 @@ extern "C" mokResult_t mok_nccl_devcomm_create(void *nccl, void **devcomm) {
   ncclDevCommRequirements reqs;
   memset(&reqs, 0, sizeof reqs);  // no barriers, no multimem, no GIN: only the windows
 #endif
-  ncclResult_t r = ncclDevCommCreate(c, &reqs, dc);
+  ncclResult_t r = lib->ncclDevCommCreate(c, &reqs, dc);
   if (r != ncclSuccess) {
     free(dc);
     return mok_fail(NULL, r == ncclInvalidUsage ? MOK_ERROR_NOT_AVAILABLE : MOK_ERROR_NCCL,
                     "ncclDevCommCreate: %s (%s); NCCL symmetric memory is not available on this "
                     "communicator (needs CUDA VMM/cuMem, peer access over NVLink, NCCL 2.28+)",
-                    ncclGetErrorString(r), ncclGetLastError(c));
+                    lib->ncclGetErrorString(r), lib->ncclGetLastError(c));
   }
   if (dc->lsaSize != dc->nRanks) {
     const int lsa = dc->lsaSize, n = dc->nRanks;
-    ncclDevCommDestroy(c, dc);
+    lib->ncclDevCommDestroy(c, dc);
     free(dc);
     return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE,
                     "only %d of %d ranks share this GPU's NVLink domain; MoK's transport needs "
@@ -147,7 +163,7 @@ extern "C" mokResult_t mok_nccl_devcomm_create(void *nccl, void **devcomm) {
   }
   if (dc->nRanks > MOK_MAX_RANKS) {
     const int n = dc->nRanks;
-    ncclDevCommDestroy(c, dc);
+    lib->ncclDevCommDestroy(c, dc);
     free(dc);
     return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE, "%d ranks; the transport supports up to %d", n,
                     (int)MOK_MAX_RANKS);
@@ -157,8 +173,10 @@ extern "C" mokResult_t mok_nccl_devcomm_create(void *nccl, void **devcomm) {
 }
 
 extern "C" void mok_nccl_devcomm_destroy(void *nccl, void *devcomm) {
+  const mok_nccl_api_t *lib;
   if (!devcomm) return;
-  ncclDevCommDestroy((ncclComm_t)nccl, (ncclDevComm *)devcomm);
+  if (mok_nccl_api(&lib) == MOK_SUCCESS)  // a device communicator exists: the table does too
+    lib->ncclDevCommDestroy((ncclComm_t)nccl, (ncclDevComm *)devcomm);
   free(devcomm);
 }
 
@@ -182,10 +200,11 @@ __global__ void nw_probe_kernel(void *const *peer, int rank, int nranks) {
 // A barrier over the communicator that also agrees on a verdict: returns in *bad_ranks the
 // number of ranks that passed bad = 1 (a one-element all-reduce, waited for on the host). Every
 // rank takes part whatever its own verdict, so one rank's failed check never hangs the others.
-static mokResult_t nw_agree(ncclComm_t c, int *scratch, cudaStream_t s, int bad, int *bad_ranks) {
+static mokResult_t nw_agree(const mok_nccl_api_t *lib, ncclComm_t c, int *scratch, cudaStream_t s,
+                            int bad, int *bad_ranks) {
   cudaError_t e = cudaMemcpyAsync(scratch, &bad, sizeof(int), cudaMemcpyHostToDevice, s);
   if (e != cudaSuccess) return nw_cuda_fail("cudaMemcpyAsync (barrier)", e);
-  NW_NCCL(ncclAllReduce(scratch, scratch, 1, ncclInt32, ncclSum, c, s));
+  NW_NCCL(lib, ncclAllReduce, (scratch, scratch, 1, ncclInt32, ncclSum, c, s));
   e = cudaMemcpyAsync(bad_ranks, scratch, sizeof(int), cudaMemcpyDeviceToHost, s);
   if (e == cudaSuccess) e = cudaStreamSynchronize(s);
   if (e != cudaSuccess) return nw_cuda_fail("cudaStreamSynchronize (barrier)", e);
@@ -246,7 +265,10 @@ extern "C" mokResult_t mok_nccl_window_create(void *nccl, void *devcomm, int dev
   memset(w, 0, sizeof *w);
   ncclComm_t c = (ncclComm_t)nccl;
   int rank = 0, nranks = 0, cdev = 0, prev = 0;
-  mokResult_t res = mok_nccl_comm_query(nccl, &rank, &nranks, &cdev);
+  const mok_nccl_api_t *lib;
+  mokResult_t res = mok_nccl_api(&lib);
+  if (res != MOK_SUCCESS) return res;
+  res = mok_nccl_comm_query(nccl, &rank, &nranks, &cdev);
   if (res != MOK_SUCCESS) return res;
   if (nranks > MOK_MAX_RANKS)
     return mok_fail(NULL, MOK_ERROR_NOT_AVAILABLE, "%d ranks; at most %d", nranks,
@@ -261,18 +283,18 @@ extern "C" mokResult_t mok_nccl_window_create(void *nccl, void *devcomm, int dev
   res = MOK_SUCCESS;
   NW_CUDA_GOTO(cudaSetDevice(device), res, fail);
   w->bytes = (bytes + NW_ALIGN - 1) / NW_ALIGN * NW_ALIGN;
-  if ((r = ncclMemAlloc(&w->local, w->bytes)) != ncclSuccess) {
+  if ((r = lib->ncclMemAlloc(&w->local, w->bytes)) != ncclSuccess) {
     res = r == ncclSystemError ? mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "ncclMemAlloc(%zu): %s",
-                                          w->bytes, ncclGetErrorString(r))
-                               : nw_nccl_fail("ncclMemAlloc", r);
+                                          w->bytes, lib->ncclGetErrorString(r))
+                               : nw_nccl_fail(lib, "ncclMemAlloc", r);
     w->local = NULL;
     goto fail;
   }
   NW_CUDA_GOTO(cudaMemset(w->local, 0, w->bytes), res, fail);
   NW_CUDA_GOTO(cudaDeviceSynchronize(), res, fail);
-  if ((r = ncclCommWindowRegister(c, w->local, w->bytes, (ncclWindow_t *)&w->window,
-                                  NCCL_WIN_COLL_SYMMETRIC)) != ncclSuccess) {
-    res = nw_nccl_fail("ncclCommWindowRegister", r);
+  if ((r = lib->ncclCommWindowRegister(c, w->local, w->bytes, (ncclWindow_t *)&w->window,
+                                       NCCL_WIN_COLL_SYMMETRIC)) != ncclSuccess) {
+    res = nw_nccl_fail(lib, "ncclCommWindowRegister", r);
     w->window = NULL;
     goto fail;
   }
@@ -298,7 +320,8 @@ extern "C" mokResult_t mok_nccl_window_create(void *nccl, void *devcomm, int dev
       NW_CUDA_GOTO(cudaGetLastError(), res, fail);
       NW_CUDA_GOTO(cudaStreamSynchronize(s), res, fail);
     }
-    if ((res = nw_agree(c, scratch, s, mine != MOK_SUCCESS, &bad_ranks)) != MOK_SUCCESS) goto fail;
+    res = nw_agree(lib, c, scratch, s, mine != MOK_SUCCESS, &bad_ranks);
+    if (res != MOK_SUCCESS) goto fail;
     if ((res = nw_verdict(mine, bad_ranks, "peer address check")) != MOK_SUCCESS) goto fail;
     // Every probe has landed: read ours.
     NW_CUDA_GOTO(cudaMemcpy(tags, w->local, nranks * sizeof(uint32_t), cudaMemcpyDeviceToHost),
@@ -310,12 +333,13 @@ extern "C" mokResult_t mok_nccl_window_create(void *nccl, void *devcomm, int dev
                         "(found 0x%08x): peer mappings do not work",
                         q, rank, tags[q]);
     }
-    if ((res = nw_agree(c, scratch, s, mine != MOK_SUCCESS, &bad_ranks)) != MOK_SUCCESS) goto fail;
+    res = nw_agree(lib, c, scratch, s, mine != MOK_SUCCESS, &bad_ranks);
+    if (res != MOK_SUCCESS) goto fail;
     if ((res = nw_verdict(mine, bad_ranks, "probe")) != MOK_SUCCESS) goto fail;
     // Back to zeros before anyone uses the window; nobody writes before everyone has zeroed.
     NW_CUDA_GOTO(cudaMemsetAsync(w->local, 0, MOK_MAX_RANKS * sizeof(uint32_t), s), res, fail);
     NW_CUDA_GOTO(cudaStreamSynchronize(s), res, fail);
-    if ((res = nw_agree(c, scratch, s, 0, &bad_ranks)) != MOK_SUCCESS) goto fail;
+    if ((res = nw_agree(lib, c, scratch, s, 0, &bad_ranks)) != MOK_SUCCESS) goto fail;
   }
   cudaFree(scratch);
   cudaFree(d_peer);
@@ -333,9 +357,12 @@ fail:
 }
 
 extern "C" void mok_nccl_window_destroy(void *nccl, mok_nccl_window_t *w) {
+  const mok_nccl_api_t *lib;
   if (!w) return;
-  if (w->window) ncclCommWindowDeregister((ncclComm_t)nccl, (ncclWindow_t)w->window);
-  if (w->local) ncclMemFree(w->local);
+  if ((w->window || w->local) && mok_nccl_api(&lib) == MOK_SUCCESS) {  // it made them
+    if (w->window) lib->ncclCommWindowDeregister((ncclComm_t)nccl, (ncclWindow_t)w->window);
+    if (w->local) lib->ncclMemFree(w->local);
+  }
   memset(w, 0, sizeof *w);
 }
 
