@@ -51,7 +51,8 @@ __device__ __forceinline__ uint4 rl_pack_bf16x8(const float (&acc)[8]) {
 // chunks; ys_t: the token's fp32 shared-expert row or NULL; y_t: the token's bf16 output row.
 // Latency, not bandwidth, bounds a warp here: each lane keeps the loads of CHUNKS chunks (8 slot
 // rows and 2 shared-expert halves each) in flight. The fused forward's reduce, 3 to 12 warps per
-// SM, uses 2 (bench/NOTES.md v19); the unfused reduce kernel, with many warps per SM, 1.
+// SM, uses 2 (docs/performance.md, "Fused forward: reduce helpers"); the unfused reduce kernel,
+// with many warps per SM, 1.
 template <int CHUNKS>
 __device__ __forceinline__ void rl_reduce_token(const int32_t *rows, int64_t K, int64_t H8,
                                                 const uint4 *yk, const float4 *ys_t, uint4 *y_t,

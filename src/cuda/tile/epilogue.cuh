@@ -42,7 +42,8 @@ __device__ __forceinline__ epi_coords_t epi_coords(int64_t row0, int64_t row_end
 // to bf16). For g < -88, e^-g is inf and __fdividef returns 0, the limit.
 // The exponential is ex2.approx.ftz(-g log2 e): an FMUL and a MUFU.EX2. __expf (ex2.approx
 // without .ftz) adds three instructions per element to rescale results below 2^-126, which here
-// only ever get added to 1: the same bits with fewer instructions (bench/NOTES.md v19).
+// only ever get added to 1: the same bits with fewer instructions (docs/performance.md,
+// "Grouped GEMM: the SwiGLU epilogue").
 __device__ __forceinline__ float epi_silu(float g) {
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
