@@ -46,7 +46,7 @@ def _ptr(t):
 
 
 class Layer:
-    """One MoE layer handle. Shapes per DESIGN.md: x [T, H] bf16, topk_idx [T, K] int32,
+    """One MoE layer handle. Shapes as in include/mok.h: x [T, H] bf16, topk_idx [T, K] int32,
     topk_w [T, K] fp32, wg/wu [E, I, H], wd [E, H, I], shared wsg/wsu [Is, H], wsd [H, Is].
     Arrays must be contiguous and stay alive for the duration of each call."""
 

@@ -370,10 +370,10 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
   }
 }
 
-// y[t] = bf16(sum over k in slot order of the slot's row), skipping empty slots (fp32 sum,
-// DESIGN.md section 2): comb[t, k] for a slot whose expert is on another rank, and for one on
-// this rank the stand-in expert's row computed here, f(x[t], e_k) (that row never left home).
-// slots / scales: [TP_THREADS / 32, K] shared memory per warp. Needs the combine counters
+// y[t] = bf16(sum over k in slot order of the slot's row), skipping empty slots (fp32 sum;
+// docs/design.md, "The layer"): comb[t, k] for a slot whose expert is on another rank, and for
+// one on this rank the stand-in expert's row computed here, f(x[t], e_k) (that row never left
+// home). slots / scales: [TP_THREADS / 32, K] shared memory per warp. Needs the combine counters
 // waited for.
 __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, const char **slots,
                                                   float *scales) {

@@ -4,8 +4,8 @@
  *
  *   y[t] = bf16( ys[t] + yk[rows[0]] + ... + yk[rows[K-1]] )
  *
- * an fp32 sum in slot order that skips empty slots (rows[k] < 0): DESIGN.md section 2, the same
- * additions in the same order as src/cpu/ref_layer.c. One warp per token, 16-byte chunks.
+ * an fp32 sum in slot order that skips empty slots (rows[k] < 0; docs/design.md, "The layer"),
+ * the same additions in the same order as src/cpu/ref_layer.c. One warp per token, 16-byte chunks.
  * NOTE: yk and ys are read at L2 (.cg): in the fused kernel other SMs wrote them during this
  * launch, and this SM's L1 could hold older lines of the same addresses.
  */

@@ -108,9 +108,9 @@ __device__ __forceinline__ void epi_store_f32(const float (&acc)[NACC], float *c
   }
 }
 
-// SwiGLU (DESIGN.md section 2): the accumulator holds g in columns [0, N/2) and u in [N/2, N) of
-// the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u, plus optional bf16 g
-// and u. w: this thread's router weights (epi_row_scales).
+// SwiGLU (docs/design.md, "The layer"): the accumulator holds g in columns [0, N/2) and u in
+// [N/2, N) of the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u, plus
+// optional bf16 g and u. w: this thread's router weights (epi_row_scales).
 template <int NACC>
 __device__ __forceinline__ void epi_store_swiglu(const float (&acc)[NACC], __nv_bfloat16 *a_out,
                                                  __nv_bfloat16 *g_out, __nv_bfloat16 *u_out,
