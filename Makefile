@@ -9,8 +9,10 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),)
 BUILD    := build
 
+# Host objects keep default visibility: the version script (src/api/exports.map) can only narrow
+# what they export, and with -fvisibility=hidden libmok.so exported no function at all.
 CFLAGS   := -std=c11 -O2 -g -Wall -Wextra -Werror=implicit-function-declaration -fPIC \
-            -fvisibility=hidden -Iinclude -Isrc
+            -Iinclude -Isrc
 LDLIBS   := -lm -lpthread
 
 HOST_SRCS := $(wildcard src/api/*.c src/cpu/*.c src/gpu/*.c)
