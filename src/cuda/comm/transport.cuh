@@ -211,10 +211,10 @@ __device__ __forceinline__ int64_t tp_grid_warps(void) {
 // a time from a counter by whichever warp is free (lane 0 adds 1; the claim for the next item is
 // made while the current one moves). A warp moves an 8 KB row at a few GB/s (latency-bound), so a
 // static split that leaves some warps one item behind costs microseconds at the end of each call:
-// claiming took dispatch from 321-329 to 342-354 GB/s (docs/performance.md, "Transport: rows
-// claimed by warps"). Consecutive items still land on different SMs, so every SM mixes
-// destinations. The counters are used by the parity of the call (epoch) and each call zeroes the
-// next call's (tp_claims_reset_next), so nothing clears them between calls, and a call that
+// claiming took dispatch from 321-329 to 342-354 GB/s (docs/performance.md,
+// "Transport: rows claimed by warps"). Consecutive items still land on different SMs, so every SM
+// mixes destinations. The counters are used by the parity of the call (epoch) and each call zeroes
+// the next call's (tp_claims_reset_next), so nothing clears them between calls, and a call that
 // failed half-way leaves its successor clean.
 enum { TP_CLAIM_DISPATCH = 0, TP_CLAIM_COMBINE = 2 };  // p.lay.claim[kind + epoch % 2]
 __device__ __forceinline__ int64_t tp_claim(uint32_t *ctr, int lane) {
@@ -386,8 +386,8 @@ __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, cons
     // The used slots in slot order, packed to the front: a remote slot's comb row (scale 0) or a
     // local slot's scale (row NULL). NOTE: the loads test the row and the sums the scale; testing
     // the scale in the loads too (one marker) added a shared-memory read ahead of every load and
-    // made this latency-bound loop ~10% slower (docs/performance.md, "Transport: the standalone
-    // sum").
+    // made this latency-bound loop ~10% slower (docs/performance.md,
+    // "Transport: the standalone sum").
     int n = 0, any_local = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;

@@ -84,8 +84,8 @@ mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *st
  * groups whose B (weights) takes b_bytes: 8 when that is over a sixth of the device's L2 cache,
  * so that the tiles that share a B tile are taken together (else B comes from HBM up to twice:
  * less HBM traffic, less power, a higher clock at the power limit); else 0, row tile by row tile,
- * which measured as fast for small B (docs/performance.md, "Grouped GEMM: tile order and L2
- * bands"). MOK_TILE_GROUP=n sets n (0: off). */
+ * which measured as fast for small B (docs/performance.md,
+ * "Grouped GEMM: tile order and L2 bands"). MOK_TILE_GROUP=n sets n (0: off). */
 int mok_tile_group_m(int64_t b_bytes);
 
 /* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
