@@ -38,8 +38,9 @@ checking that its y is the chain's bits too.
 --lib-b PATH[,PATH...] times the fused forward of other libmok.so builds in the same rounds
 (mok_lib_b_ms, mok_lib_b2_ms, ...), after checking that each gives the chain's bits: an A/B of
 two builds on the same machine in the same thermal state. Separate processes on the same machine
-measured the same build 1-2% apart (bench/NOTES.md v18); with --timing interleaved, one launch of
-each function per round (--rounds = --reps, the default with --lib-b) is the protocol of v15.
+measured the same build 1-2% apart; with --timing interleaved, one launch of each function per
+round (--rounds = --reps, the default with --lib-b) is the protocol that gave the same answer in
+both positions (docs/performance.md, "A/B of two builds").
 """
 import argparse
 import json

@@ -191,7 +191,8 @@ def counts_unaligned(routing, rows, experts, gen):
 
 def default_rounds(args):
     """--rounds when given, else 3 in blocked timing; interleaved: one launch per round (--reps)
-    with --lib-b, else 3 (coarser rounds gave A/B results that flipped sign, bench/NOTES.md v15)."""
+    with --lib-b, else 3 (coarser rounds gave A/B results that flipped sign: docs/performance.md,
+    "A/B of two builds")."""
     if args.rounds:
         return max(1, args.rounds)
     return 3 if TIMING["mode"] == "blocked" or not args.lib_b else max(1, args.reps)
@@ -222,8 +223,8 @@ def add_timing_args(ap):
                          "(see --block-ms), timing the second half of each, so that each runs at "
                          "the clock its own power draw allows (the H200 sits at its 700 W limit "
                          "under these kernels); interleaved: the functions alternate launch by "
-                         "launch (or in reps/rounds groups) and share one clock (bench/NOTES.md "
-                         "v22)")
+                         "launch (or in reps/rounds groups) and share one clock "
+                         "(docs/performance.md, \"Blocked and interleaved timing\")")
     ap.add_argument("--block-ms", type=float, default=800.0,
                     help="blocked timing: milliseconds of the first timed function's block "
                          "(default 800; the others run as many launches)")
@@ -258,7 +259,7 @@ def time_ms(fns, warmup, reps, rounds):
     these kernels and its power control follows the draw over many milliseconds, so in an
     interleaved run a function that draws less lends clock to its neighbours: MoK's fused forward
     against torch's pipeline (many light kernels) at Qwen3-235B read 2.30x interleaved and 1.88x
-    blocked (bench/NOTES.md v22).
+    blocked (docs/performance.md, "Blocked and interleaved timing").
     interleaved: alternating rounds of reps/rounds launches in an order shuffled every round, so
     that a drift affects all functions alike: finer A/B comparisons of kernels that draw alike."""
     for fn in fns:
@@ -678,7 +679,8 @@ def main():
                     help="rounds of the timing (blocked: rounds of one block per function, "
                          "default 3; interleaved: alternating rounds of reps/rounds launches, "
                          "default 3, or one launch per round (= --reps) with --lib-b: coarser "
-                         "rounds gave A/B results that flipped sign, bench/NOTES.md v15)")
+                         "rounds gave A/B results that flipped sign: docs/performance.md, "
+                         "\"A/B of two builds\")")
     ap.add_argument("--sms", type=int, default=0, help="persistent CTAs (0 = one per SM)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 cases")
     ap.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",

@@ -3,7 +3,7 @@
  *
  * One header, shaped like NCCL's: opaque handles, one result enum, a versioned descriptor with an
  * initializer macro, size queries, and calls that take the stream last. The layer computes exactly
- * what ../shared/DESIGN.md section 2 writes down; the plain-C reference backend (a layer created on
+ * what docs/design.md, "The layer", writes down; the plain-C reference backend (a layer created on
  * MOK_DEVICE_CPU) is the specification, the GPU backend must agree with it.
  *
  * Shapes, per rank (row-major; weights in PyTorch Linear layout [out, in]):

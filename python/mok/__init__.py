@@ -54,7 +54,7 @@ def _ptr(t):
 
 
 class Layer:
-    """One MoE layer handle on one device (W = 1, so EL = E). Arguments, per DESIGN.md:
+    """One MoE layer handle on one device (W = 1, so EL = E). Arguments, as include/mok.h defines them:
 
         x         [T, H]      bf16    T, 0 <= T <= max_tokens, is read from x
         topk_idx  [T, K]      int32   ids in [0, E), distinct in a row; -1 = an empty slot

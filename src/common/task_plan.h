@@ -20,8 +20,9 @@
  * for its down tiles. The shared expert comes last so that the reduce of a token block can start
  * as soon as its shared-expert tiles are done (every routed DOWN tile is done by then), beside the
  * shared expert's later bands (forward/fused.cu's reduce helpers; DeepSeek-V3's forward 3-9%
- * faster than with the shared expert's gate/up tiles first, bench/NOTES.md v18). (An
- * expert-parallel kernel may want them first again, to fill the SMs while rows are dispatched.)
+ * faster than with the shared expert's gate/up tiles first: docs/performance.md,
+ * "Fused forward: the shared expert"). (An expert-parallel kernel may want them first again, to
+ * fill the SMs while rows are dispatched.)
  * Within a (kind, expert) block the tiles go row tile by row tile, column tiles inner, or, with
  * group_m > 0, in bands of group_m row tiles: column tile by column tile within a band, its row
  * tiles inner (mok_plan_tile). Consecutive tasks then share a weight tile (B), which the CTAs that

@@ -1,6 +1,6 @@
 /*
- * layout.h: the routing layout of DESIGN.md section 4, computed on the host from every rank's
- * routing. It is the oracle for the GPU layout phase and for the transport.
+ * layout.h: the routing layout (docs/design.md, "The transport"), computed on the host from every
+ * rank's routing. It is the oracle for the GPU layout phase and for the transport.
  *
  * Routed rows: rows of local expert e (on rank e / EL) are ordered by (source rank, token, slot);
  * each expert's segment starts at a multiple of tile_m in its rank's row buffer and is padded up to

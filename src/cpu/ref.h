@@ -1,7 +1,7 @@
 /*
- * ref.h: the plain-C reference of the whole layer, DESIGN.md section 2, forward and backward, over
- * W simulated expert-parallel ranks in one process. Values travel as doubles so the same code runs
- * in two modes:
+ * ref.h: the plain-C reference of the whole layer (docs/design.md, "The layer"), forward and
+ * backward, over W simulated expert-parallel ranks in one process. Values travel as doubles so the
+ * same code runs in two modes:
  *   - normal: every rounding point of the spec is applied (bf16 rounding of a, yk, y, g, u, dg, du,
  *     dxk, dx; fp32 accumulation; for fp8 precisions quantize-dequantize of the GEMM activations at
  *     the points listed below and of the weights via mok_ref_weights_effective);

@@ -1,6 +1,6 @@
 /*
  * ref_backward.c: the reference layer's backward pass over W simulated expert-parallel ranks
- * (DESIGN.md section 2, ref.h).
+ * (docs/design.md, "The layer"; ref.h).
  *
  * Backward starts from g and u rounded to bf16 (the saved context, or the same values recomputed
  * bit-identically) and derives everything else from them: s = silu(g) * u, a = bf16(w * s), the

@@ -1,6 +1,7 @@
 /*
- * ref_layer.c: the reference layer's forward pass over W simulated expert-parallel ranks (DESIGN.md
- * section 2, ref.h), and the effective (quantize-dequantized) weights its GEMMs read.
+ * ref_layer.c: the reference layer's forward pass over W simulated expert-parallel ranks
+ * (docs/design.md, "The layer"; ref.h), and the effective (quantize-dequantized) weights its GEMMs
+ * read.
  *
  * Forward moves rows as the GPU does: every (token, slot) row goes to its expert's rank, which
  * computes the expert's rows in layout order (source rank, token, slot); each bf16 expert output

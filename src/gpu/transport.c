@@ -20,7 +20,8 @@
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
 
-#define TP_DEFAULT_SMS 20      /* DESIGN.md targets: >= 340 GB/s per direction on <= 20 SMs */
+#define TP_DEFAULT_SMS 20      /* 354-361 GB/s per direction on 16-20 SMs (docs/performance.md,
+                                  "Transport: rows claimed by warps") */
 #define TP_DEFAULT_TIMEOUT_S 10.0
 #define TP_SLOT_HEADER_INTS 4  /* LAYOUT_HEADER_INTS: T, T_max, CTAs, status */
 

@@ -2,7 +2,7 @@
  * swiglu_backward.cu: the SwiGLU backward of a GPU backward (backward.h), one
  * elementwise pass per routed (or shared) row between the ds GEMM and the dxk GEMMs:
  *
- *   s  = silu(g) · u                      fp32, from the bf16 g, u of the context (DESIGN.md 2)
+ *   s  = silu(g) · u                      fp32, from the bf16 g, u of the context
  *   a  = bf16(w · s)                      for dWd = dyᵀ · a
  *   dw = Σ_i ds_i · s_i                   router-weight gradient of the row (fp32, fixed order)
  *   da = w · ds

@@ -18,9 +18,10 @@ extern "C" {
 #endif
 
 /*
- * The NVLink transport of DESIGN.md section 5, usable on its own: a symmetric window per transport,
- * a layout kernel (per-(rank, expert) counts all-gathered through the window; every rank derives
- * the layout of src/cpu/layout.c) and a dispatch-and-combine kernel run by a few communication CTAs.
+ * The NVLink transport (docs/design.md, "The transport"), usable on its own: a symmetric window
+ * per transport, a layout kernel (per-(rank, expert) counts all-gathered through the window; every
+ * rank derives the layout of src/cpu/layout.c) and a dispatch-and-combine kernel run by a few
+ * communication CTAs.
  * Everything here is plain C; bench/transport.py calls the mok_transport_* functions through ctypes.
  */
 

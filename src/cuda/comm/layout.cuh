@@ -1,7 +1,7 @@
 /*
- * comm/layout.cuh: the cross-rank routing layout on the GPU (DESIGN.md section 4, "Layout
- * phase"), equal entry for entry to src/cpu/layout.c, computed by one CTA per rank with no
- * atomics on anything that orders rows:
+ * comm/layout.cuh: the cross-rank routing layout on the GPU (docs/design.md, "The transport"),
+ * equal entry for entry to src/cpu/layout.c, computed by one CTA per rank with no atomics on
+ * anything that orders rows:
  *
  *   1. Local ranks. Tokens go through in rounds of one token per thread. Per warp and per bin
  *      (E experts, then W destination ranks) a 32-bit mask marks the lanes whose token uses the

@@ -101,10 +101,10 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
   }
 }
 
-// y[t] = bf16(sum over k in slot order of the slot's row), skipping empty slots (fp32 sum,
-// DESIGN.md section 2): comb[t, k] for a slot whose expert is on another rank, and for one on
-// this rank the stand-in expert's row computed here, f(x[t], e_k) (that row never left home).
-// slots / scales: [TP_THREADS / 32, K] shared memory per warp. Needs the combine counters
+// y[t] = bf16(sum over k in slot order of the slot's row), skipping empty slots (fp32 sum;
+// docs/design.md, "The layer"): comb[t, k] for a slot whose expert is on another rank, and for
+// one on this rank the stand-in expert's row computed here, f(x[t], e_k) (that row never left
+// home). slots / scales: [TP_THREADS / 32, K] shared memory per warp. Needs the combine counters
 // waited for.
 __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, const char **slots,
                                                   float *scales) {
@@ -117,7 +117,8 @@ __device__ __forceinline__ void tp_combine_reduce(const mok_tp_params_t &p, cons
     // The used slots in slot order, packed to the front: a remote slot's comb row (scale 0) or a
     // local slot's scale (row NULL). NOTE: the loads test the row and the sums the scale; testing
     // the scale in the loads too (one marker) added a shared-memory read ahead of every load and
-    // made this latency-bound loop ~10% slower (bench/NOTES.md v13).
+    // made this latency-bound loop ~10% slower (docs/performance.md,
+    // "Transport: the standalone sum").
     int n = 0, any_local = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;

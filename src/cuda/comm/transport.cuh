@@ -24,9 +24,9 @@
  *   comb      [T_max, K, H] bf16  expert rows of this rank's tokens from other ranks' experts,
  *                                 by (token, slot)
  *
- * Measured on two H200s (bench/NOTES.md v12): 16-byte stores from registers into the peer's
- * window carry ~345 GB/s per direction once the local rows stay out of the stream; pulling rows
- * (loads from the peer, the sum fused) carried ~325.
+ * Measured on two H200s (docs/performance.md, "Transport: push, pull and local rows"): 16-byte
+ * stores from registers into the peer's window carry ~345 GB/s per direction once the local rows
+ * stay out of the stream; pulling rows (loads from the peer, the sum fused) carried ~325.
  */
 #ifndef MOK_CUDA_TRANSPORT_CUH
 #define MOK_CUDA_TRANSPORT_CUH
@@ -207,10 +207,11 @@ __device__ __forceinline__ int64_t tp_grid_warps(void) {
 // a time from a counter by whichever warp is free (lane 0 adds 1; the claim for the next item is
 // made while the current one moves). A warp moves an 8 KB row at a few GB/s (latency-bound), so a
 // static split that leaves some warps one item behind costs microseconds at the end of each call:
-// claiming took dispatch from 321-329 to 342-354 GB/s (bench/NOTES.md v13). Consecutive items
-// still land on different SMs, so every SM mixes destinations. The counters are used by the
-// parity of the call (epoch) and each call zeroes the next call's (tp_claims_reset_next), so
-// nothing clears them between calls, and a call that failed half-way leaves its successor clean.
+// claiming took dispatch from 321-329 to 342-354 GB/s (docs/performance.md,
+// "Transport: rows claimed by warps"). Consecutive items still land on different SMs, so every SM
+// mixes destinations. The counters are used by the parity of the call (epoch) and each call zeroes
+// the next call's (tp_claims_reset_next), so nothing clears them between calls, and a call that
+// failed half-way leaves its successor clean.
 enum { TP_CLAIM_DISPATCH = 0, TP_CLAIM_COMBINE = 2 };  // p.lay.claim[kind + epoch % 2]
 __device__ __forceinline__ int64_t tp_claim(uint32_t *ctr, int lane) {
   return lane == 0 ? (int64_t)atomicAdd(ctr, 1u) : 0;
@@ -228,7 +229,8 @@ __device__ __forceinline__ void tp_claims_reset_next(const mok_tp_params_t &p, i
 // its slots routes there): x[t] to recv_x[pos] and {t, rows of its slots on d} to recv_meta[pos]
 // in d's window. A token's own rank gets nothing: its rows stay in x, where the sum and (in the
 // persistent kernel) the GEMMs read them, and its block of recv_x stays unwritten. A warp per
-// token (whole rows: splitting rows into 2 KB items dealt to different warps was slower, v12).
+// token (whole rows: splitting rows into 2 KB items dealt to different warps was slower;
+// docs/performance.md, "Transport: push, pull and local rows").
 __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;

@@ -4,8 +4,8 @@
  *
  *   y[t] = bf16( ys[t] + yk[rows[0]] + ... + yk[rows[K-1]] )
  *
- * an fp32 sum in slot order that skips empty slots (rows[k] < 0): DESIGN.md section 2, the same
- * additions in the same order as src/cpu/ref_layer.c. One warp per token, 16-byte chunks.
+ * an fp32 sum in slot order that skips empty slots (rows[k] < 0; docs/design.md, "The layer"),
+ * the same additions in the same order as src/cpu/ref_layer.c. One warp per token, 16-byte chunks.
  * NOTE: yk and ys are read at L2 (.cg): in the fused kernel other SMs wrote them during this
  * launch, and this SM's L1 could hold older lines of the same addresses.
  */
@@ -51,7 +51,8 @@ __device__ __forceinline__ uint4 rl_pack_bf16x8(const float (&acc)[8]) {
 // chunks; ys_t: the token's fp32 shared-expert row or NULL; y_t: the token's bf16 output row.
 // Latency, not bandwidth, bounds a warp here: each lane keeps the loads of CHUNKS chunks (8 slot
 // rows and 2 shared-expert halves each) in flight. The fused forward's reduce, 3 to 12 warps per
-// SM, uses 2 (bench/NOTES.md v19); the unfused reduce kernel, with many warps per SM, 1.
+// SM, uses 2 (docs/performance.md, "Fused forward: reduce helpers"); the unfused reduce kernel,
+// with many warps per SM, 1.
 template <int CHUNKS>
 __device__ __forceinline__ void rl_reduce_token(const int32_t *rows, int64_t K, int64_t H8,
                                                 const uint4 *yk, const float4 *ys_t, uint4 *y_t,

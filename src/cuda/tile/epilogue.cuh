@@ -42,7 +42,8 @@ __device__ __forceinline__ epi_coords_t epi_coords(int64_t row0, int64_t row_end
 // to bf16). For g < -88, e^-g is inf and __fdividef returns 0, the limit.
 // The exponential is ex2.approx.ftz(-g log2 e): an FMUL and a MUFU.EX2. __expf (ex2.approx
 // without .ftz) adds three instructions per element to rescale results below 2^-126, which here
-// only ever get added to 1: the same bits with fewer instructions (bench/NOTES.md v19).
+// only ever get added to 1: the same bits with fewer instructions (docs/performance.md,
+// "Grouped GEMM: the SwiGLU epilogue").
 __device__ __forceinline__ float epi_silu(float g) {
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
@@ -107,9 +108,9 @@ __device__ __forceinline__ void epi_store_f32(const float (&acc)[NACC], float *c
   }
 }
 
-// SwiGLU (DESIGN.md section 2): the accumulator holds g in columns [0, N/2) and u in [N/2, N) of
-// the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u, plus optional bf16 g
-// and u. w: this thread's router weights (epi_row_scales).
+// SwiGLU (docs/design.md, "The layer"): the accumulator holds g in columns [0, N/2) and u in
+// [N/2, N) of the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u, plus
+// optional bf16 g and u. w: this thread's router weights (epi_row_scales).
 template <int NACC>
 __device__ __forceinline__ void epi_store_swiglu(const float (&acc)[NACC], __nv_bfloat16 *a_out,
                                                  __nv_bfloat16 *g_out, __nv_bfloat16 *u_out,
