@@ -98,7 +98,7 @@ MOK_HD int32_t mok_plan_shared_band(const mok_task_plan_t *p) {
  * arithmetic when the block's tiles fit: a 64-bit division is a long subroutine on the GPU, and
  * the persistent kernel's producer decodes a task between the last stage of one tile and the first
  * of the next. The fused launcher refuses plans of more than 2^30 tasks, so on the GPU the 64-bit
- * path is only reached with a band size (MOK_TILE_GROUP) beyond any block; it keeps the function
+ * path is only reached with a band size (the tuning's tile_group_m) beyond any block; it keeps the function
  * right for every input (the CPU tests compare the two). */
 MOK_HD void mok_plan_tile(const mok_task_plan_t *p, int64_t r, int32_t mt, int32_t nt,
                           mok_task_t *t) {

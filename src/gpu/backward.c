@@ -1,14 +1,15 @@
 /*
  * gpu/backward.c: mok_backward on a GPU layer, host side. W = 1 and BF16 run the unfused GPU
- * backward of DESIGN.md section 2: a chain of kernels on the caller's stream (src/cuda/backward/backward.h), with no
- * host synchronization and no device data read on the host, like the forward (gpu/forward.c):
+ * backward of docs/design.md ("The layer"): a chain of kernels on the caller's stream
+ * (src/cuda/backward/backward.h), with no host synchronization and no device data read on the
+ * host, like the forward (gpu/forward.c):
  *
  *   context check (1 CTA)  ctx header vs this call -> status, offsets [E + 1], shared_offsets
  *   gathers                x -> xg [R, H], dy -> dyg [R, H] (expert order), topk_w -> row_w [R]
  *   RECOMPUTE mode only    gate/up GEMM on xg -> bf16 g, u [R, I] (the forward's, bit for bit);
  *                          shared gate/up on x -> gs, us [T, Is]
  *   ds GEMM                ds [R, I] fp32 = dyg · Wd[e]            (B N-major: Wd as [E, H, I])
- *   SwiGLU backward        a, dg, du [R, I] bf16, dw_row [R] fp32  (swiglu_backward.cu)
+ *   SwiGLU backward        a, dg, du [R, I] bf16, dw_row [R] fp32  (backward/swiglu.cu)
  *   dxk GEMMs              dxk [R, H] fp32 = dg · Wg[e], += du · Wu[e]   (Wg as [E, I, H])
  *   shared expert (Is > 0) dss [T, Is] = dy · Wsd; SwiGLU backward with w = 1 -> as, dgs, dus;
  *                          dxs [T, H] fp32 = dgs · Wsg + dus · Wsu

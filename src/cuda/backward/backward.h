@@ -18,11 +18,11 @@ extern "C" {
 
 /* ============================================================================================== */
 /*
- * The kernels src/gpu_backward.c chains for mok_backward on one GPU, around the grouped GEMMs:
+ * The kernels src/gpu/backward.c chains for mok_backward on one GPU, around the grouped GEMMs:
  * context check (one CTA) -> gathers of x and dy (mok_fwd_gather_launch) -> [RECOMPUTE: gate/up
  * GEMMs] -> ds GEMM -> SwiGLU backward -> dxk GEMMs -> shared expert -> dx reduce -> weight
  * gradients (mok_grouped_wgrad_launch, and wgrad_store for accumulated bf16 gradients). Buffers
- * are the regions of src/workspace.h; the routing (slot_row, offsets) comes from the context.
+ * are the regions of src/common/workspace.h; the routing (slot_row, offsets) comes from the context.
  * No launcher synchronizes or reads device memory on the host.
  */
 

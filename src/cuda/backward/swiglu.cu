@@ -1,5 +1,5 @@
 /*
- * swiglu_backward.cu: the SwiGLU backward of a GPU backward (backward.h), one
+ * backward/swiglu.cu: the SwiGLU backward of a GPU backward (backward.h), one
  * elementwise pass per routed (or shared) row between the ds GEMM and the dxk GEMMs:
  *
  *   s  = silu(g) · u                      fp32, from the bf16 g, u of the context

@@ -141,7 +141,7 @@ typedef struct {
 } mok_transport_view_t;
 mokResult_t mok_transport_view(mok_transport_t t, mok_transport_view_t *v);
 
-/* ---- kernel parameters and launchers (src/cuda/transport.cu), filled by src/transport.c ------ */
+/* ---- kernel parameters and launchers (src/cuda/comm/transport.cu), filled by src/gpu/transport.c ------ */
 
 /* Byte offsets of the regions of one transport's symmetric window; identical on every rank. */
 typedef struct {

@@ -19,9 +19,9 @@ extern "C" {
 #endif
 
 /*
- * The short kernel chain src/gpu_backend.c runs for mok_forward on one GPU, around the grouped
+ * The short kernel chain src/gpu/forward.c runs for mok_forward on one GPU, around the grouped
  * GEMMs above: layout (two kernels, a CTA per chunk of tokens) -> gather -> [gate/up, down,
- * shared gate/up, shared down GEMMs] -> reduce. Buffers are the regions of src/workspace.h. No launcher synchronizes or reads device
+ * shared gate/up, shared down GEMMs] -> reduce. Buffers are the regions of src/common/workspace.h. No launcher synchronizes or reads device
  * memory on the host, so the chain can be captured in a CUDA graph. A failing launch returns
  * MOK_ERROR_CUDA with cudaGetErrorString's text in mok_last_error().
  */
@@ -46,11 +46,11 @@ typedef struct {
   int32_t *row_tok;           /* [R] token of each row; written by the layout when not NULL */
   int32_t *tile_pre;          /* [E + 1] row-tile prefix sums (128-row tiles); as row_tok */
   int32_t *red_pre;           /* [E + 2], with red_order [T]: the fused forward's reduce order
-                                 (src/workspace.h); written by the layout when not NULL */
+                                 (src/common/workspace.h); written by the layout when not NULL */
   int32_t *red_order;
   uint32_t *counters;         /* [n_counters] zeroed by the layout when not NULL */
   int64_t n_counters;
-  void *layout_scratch;       /* mok_ll_bytes(T, E) (src/workspace.h): the layout's partials */
+  void *layout_scratch;       /* mok_ll_bytes(T, E) (src/common/workspace.h): the layout's partials */
   /* context regions (the layout kernel writes the header and copies of slot_row and offsets) */
   void *ctx_header;           /* mok_ctx_header_t */
   int32_t *ctx_slot_row;      /* [T_max, K] */
@@ -70,12 +70,12 @@ mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, void *stream)
  * skipped; y untouched when the call's status is 0. */
 mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream);
 
-/* ---- the fused forward (src/cuda/forward_fused.cu) ---------------------------------------------- */
+/* ---- the fused forward (src/cuda/forward/fused.cu) ---------------------------------------------- */
 /*
  * After the layout kernel (which writes row_tok, row_w, tile_pre, the reduce order and zeroes the
- * counters), one persistent kernel runs every task of src/task_plan.h: SHARED_GATE_UP, GATE_UP
+ * counters), one persistent kernel runs every task of src/common/task_plan.h: SHARED_GATE_UP, GATE_UP
  * (rows of x gathered through row_tok straight into the tile, SwiGLU and the router weight in
- * the epilogue), DOWN, SHARED_DOWN and REDUCE, coordinated by the counters of src/workspace.h.
+ * the epilogue), DOWN, SHARED_DOWN and REDUCE, coordinated by the counters of src/common/workspace.h.
  * Its results are bitwise those of the kernel chain above (same tiles, same epilogues, same
  * reduce).
  */

@@ -31,7 +31,7 @@
  *   while the tiles of later experts run (with top-8 of 128 experts, (e / 128)^8 of the tokens
  *   have all their experts below e). Qwen3-235B's final reduce took 120 us per CTA instead of
  *   309 (Qwen3-30B: 152 against 163), at the price of gathering with 2 warps in the last 15% of
- *   GATE_UP tiles; the forward 1.0-2.5% faster (bench/NOTES.md v21).
+ *   GATE_UP tiles; the forward 1.0-2.5% faster (docs/performance.md, "Fused forward: reduce order").
  *   With one, the helpers leave at the last GATE_UP task and tokens go in token order, each ready
  *   once every DOWN tile and its token tile's SHARED_DOWN tiles are done (the shared expert comes
  *   after every routed tile, in bands of token tiles).
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     // tiles that share a weight block drift apart in their K loops: at the start of the previous
     // task, DeepSeek-V3 was 17% slower; while the previous tile's last 4 or 8 stages were issued,
     // the first stages came 2 us earlier but the mainloops ran 2-5% slower, and the traced
-    // forward took longer at all three benchmark shapes (bench/NOTES.md, v11).
+    // forward took longer at all three benchmark shapes (docs/performance.md, "Fused forward: tickets").
     int32_t stage = 0;
     // gwarps: the producer warps still here (taking tickets, loading the ring). 2 from the first
     // task of stage help_stage (the others reduce); 1 from gather_end on, past the last GATE_UP

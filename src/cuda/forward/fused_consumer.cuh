@@ -79,7 +79,7 @@ struct fk_deferred_release {
 // completed and the wait and fences run under that stage's MMA: only the reduce waits for DN, so
 // the release can wait. Waiting for the stores right after them, or under the next tile's first
 // wgmmas as GATE_UP's release does, left the consumers idle ~1 us per DOWN tile, and at the start
-// of the next epilogue the fences made it ~0.7 us longer (bench/NOTES.md v21). s_dpend[cw]: the
+// of the next epilogue the fences made it ~0.7 us longer (docs/performance.md, "Fused forward: deferred releases"). s_dpend[cw]: the
 // counter + 1, 0 when none is pending.
 __shared__ uint32_t s_dpend[2];
 __device__ __forceinline__ void fk_flush_down(const fk_params_t &p, int cw, int lt) {

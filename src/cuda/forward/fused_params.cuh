@@ -19,9 +19,8 @@ enum { FK_BM = MOK_FC_TILE_M, FK_BN = 256, FK_STAGES = 4 };
 // when the E + 1 row-tile prefix sums still fit next to it; else from registers (STAGED = 0).
 // The ring is the same either way.
 // NOTE: 3 stages and two staging buffers per warpgroup (so that consecutive rounds alternate)
-// measured 4-7% slower at all three benchmark shapes (again in bench/NOTES.md v19: the rounds got
-// shorter, the next task's first stage came later); lending a full tile's last ring stage to its
-// epilogue for one round, 0.7-0.9% slower (v19).
+// measured 4-7% slower at all three benchmark shapes: the rounds got shorter, the next task's
+// first stage came later (docs/performance.md, "Fused forward: epilogue staging").
 template <int STAGED>
 struct fk_cfg {
   static constexpr int WG_C_BYTES = STAGED * 64 * 128 * 2;  // per consumer warpgroup

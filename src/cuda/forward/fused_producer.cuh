@@ -9,7 +9,7 @@
 #include "cuda/forward/fused_tile.cuh"
 // A stage's tag: the task number and the task itself, decoded once by the producer for both
 // sides. Decoded by the consumers too (between the stage's arrival and their first wgmma), the
-// fused forward was 2-8% slower at the three benchmark shapes (bench/NOTES.md v12). Thread 0 of
+// fused forward was 2-8% slower at the three benchmark shapes (docs/performance.md, "Fused forward: task decoding"). Thread 0 of
 // the producer, before its first arrival on the stage's full barrier.
 __device__ __forceinline__ void fk_tag(volatile int64_t *s_tag, volatile int4 *s_task, int stage,
                                        int64_t tag, const mok_task_t &t) {
@@ -37,7 +37,7 @@ __device__ __forceinline__ mok_task_t fk_task(const tp_ring_t *ring, const volat
 // j < J = 32 / G, so that each warp instruction reads 4 whole 128-byte lines. Rows past the
 // expert's end are zeros: nothing of them is stored. G is a template argument so that the J row
 // addresses stay in registers (with one warp, 32 per thread and G at run time, they were rebuilt
-// from constants per copy and GATE_UP's mainloop ran at half speed; bench/NOTES.md v21).
+// from constants per copy and GATE_UP's mainloop ran at half speed; docs/performance.md, "Fused forward: gather").
 template <int G>
 __device__ __forceinline__ void fk_gather(const fk_params_t &p, const fk_tile_t &d, tp_ring_t *ring,
                                           uint8_t *smem, uint64_t *full, uint64_t *empty,

@@ -23,7 +23,7 @@ __device__ __forceinline__ uint32_t fk_dn_target(const mok_task_plan_t &plan, in
 // Any warp of the CTA may call it, alone.
 // Each lane keeps two chunks' loads in flight (rl_reduce_token<2>): against one, the 3 helper warps
 // per SM beside the shared expert left a 85 us tail instead of 320 at DeepSeek-V3, and the final
-// reduce on all 12 warps took 308 us instead of 330 at Qwen3-235B (bench/NOTES.md v19).
+// reduce on all 12 warps took 308 us instead of 330 at Qwen3-235B (docs/performance.md, "Fused forward: reduce helpers").
 // NOTE (deadlock freedom): a token waits only on tile tasks, which wait on nothing a reduce does.
 __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_task_plan_t &plan) {
   const int lane = threadIdx.x & 31;

@@ -73,7 +73,7 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
 // Waits until counter `c` reaches `target` (acquire), or the timeout, or an abort.
 // sleep_ns: between polls. The reduce's claims use 1000: they wait long (a band of shared-expert
 // tiles), from up to ~400 warps at once, on few counters; with 64 ns between polls DeepSeek-V3's
-// forward was 2.6-3.5% slower (bench/NOTES.md v18).
+// forward was 2.6-3.5% slower (docs/performance.md, "Fused forward: reduce helpers").
 __device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task,
                                      uint32_t sleep_ns = 64) {
   uint32_t *ctr = p.counters;

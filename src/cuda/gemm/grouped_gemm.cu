@@ -58,7 +58,7 @@ struct gg_cfg {
 // leaves setmaxnreg.inc waiting forever; gemm/grouped_gemm_fp8.cuh). NOTE: ptxas (13.0) reports
 // "Used 168 registers", the entry budget of __launch_bounds__(384, 1), but allocates the code
 // after setmaxnreg.inc within its count and reports spills against that (the fp8 kernel's
-// consumers reach R236 at 240, bench/NOTES.md v13); check -Xptxas -v after every change
+// consumers reach R236 at 240; docs/performance.md, "ptxas: registers, traps and spills"); check -Xptxas -v after every change
 // (make check-spills).
 enum { GG_PRODUCER_REGS = 40, GG_CONSUMER_REGS = 232 };
 static_assert(GG_PRODUCER_REGS + 2 * GG_CONSUMER_REGS <= 3 * 168, "the launch's registers");
@@ -89,7 +89,7 @@ typedef struct {
 // every tile, on the tensor cores' critical path: a new group's offsets from global memory and a
 // 64-bit division, which at these shapes is nearly every tile (a group has about one wave of
 // units). With the tags the fp8 GEMM ran 3-7% faster at the benchmark shapes and bf16 0.1-4%
-// (bench/NOTES.md v15).
+// (docs/performance.md, "Grouped GEMM: tiles posted beside their stage").
 __device__ __forceinline__ int4 gg_tag(const gg_tile_t &t) {
   return make_int4(t.group, t.row0, t.row_end, t.n0);
 }
@@ -112,14 +112,14 @@ __device__ __forceinline__ const int4 *gg_tags(const uint8_t *smem_raw, const ui
 // Consumer: waits for the stage at the ring's position and reads the tile posted with it (the
 // stage is not consumed); 0 at the end.
 // NOTE: a wait that times out reads as the end instead of trapping as ptx_mbar_wait does: with a
-// trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; bench/NOTES.md v14). A
+// trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; docs/performance.md, "ptxas: registers, traps and spills"). A
 // producer that never posts is itself stuck in a bounded wait, which traps.
 __device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, const int4 *tags,
                                        gg_tile_t *t) {
   if (!ptx_mbar_wait_bounded_at(ptx_smem_addr(&full[ring->stage]), ring->phase)) return 0;
   // NOTE: a plain load (the wait's asm is a compiler barrier for memory). Through a volatile
   // pointer, ptxas treated the rest of the loop as divergent and moved the wgmma descriptors into
-  // uniform registers before every wgmma (SASS of the first version, bench/NOTES.md v15).
+  // uniform registers before every wgmma (SASS of the first version; docs/performance.md, "ptxas: registers, traps and spills").
   const int4 v = tags[ring->stage];
   t->group = v.x;
   t->row0 = v.y;

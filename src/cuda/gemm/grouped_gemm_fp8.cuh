@@ -39,7 +39,7 @@ struct gg8_plan {
 // NOTE: the warpgroups trade registers within what the CTA was launched with (168 per thread,
 // __launch_bounds__(384, 1)), not the whole register file: with 32 + 2 x 240 the consumers'
 // setmaxnreg.inc waited forever for registers nobody had freed, and the producer's bounded wait
-// trapped (bench/NOTES.md v14).
+// trapped (docs/performance.md, "ptxas: registers, traps and spills").
 // With the activation scales in shared memory (SMEM_A) the consumers need no scale pointers and
 // the producer loads one more box per stage: 32 and 232.
 enum { GG8_PRODUCER_REGS = 24, GG8_CONSUMER_REGS = 240 };
@@ -175,7 +175,7 @@ static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const CUtensorMap
 
 // The fp8 configurations: activation scales [K/128, ld] through shared memory (5 stages: with 6
 // the slots do not fit beside the output staging), or [M_total, K/128] from global memory with 6
-// stages. The first measured 0-4% faster at every benchmark shape (bench/NOTES.md v16).
+// stages. The first measured 0-4% faster at every benchmark shape (docs/performance.md, "fp8-block GEMM: activation scales").
 template <int EPI>
 static cudaError_t gg_launch_fp8_config(const gg_kernel_params_t *kp, const CUtensorMap *ma,
                                         const CUtensorMap *mb, const CUtensorMap *mc,

@@ -1,5 +1,5 @@
 /*
- * grouped_wgrad.cu: the k-grouped GEMM of the weight gradients (DESIGN.md section 2) and its C
+ * grouped_wgrad.cu: the k-grouped GEMM of the weight gradients (docs/design.md, "The layer") and its C
  * launcher.
  *
  *   C[g] = epilogue( A_gᵀ · B_g )   for g in [0, G), A_g = A[offsets[g] : offsets[g+1], :]

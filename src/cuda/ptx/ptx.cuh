@@ -145,7 +145,7 @@ __device__ __forceinline__ void ptx_mbar_wait_at(uint32_t bar, uint32_t parity) 
 // the fp8 consumers' accumulators).
 // NOTE: ptx_mbar_wait_at is not written as a trap on this one's result: that compiles every
 // mainloop's waits differently (more exits, other uniform registers; cuobjdump of grouped_gemm.o,
-// forward_fused.o and grouped_wgrad.o), a change to measure, not a refactor.
+// forward/fused.o and grouped_wgrad.o), a change to measure, not a refactor.
 __device__ __forceinline__ int ptx_mbar_wait_bounded_at(uint32_t bar, uint32_t parity) {
   if (ptx_mbar_try_wait_at(bar, parity)) return 1;
   const uint64_t t0 = ptx_globaltimer_ns();

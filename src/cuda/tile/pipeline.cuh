@@ -265,7 +265,7 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
   for (int i = 0; i < 128; i++) ptx_fence_operand(acc[i]);
 }
 
-// Scales of the fp8-block mainloop for one consumer thread (DESIGN.md section 2, fp8-block).
+// Scales of the fp8-block mainloop for one consumer thread (docs/design.md, "FP8 formats").
 // The activation scales come from global memory (a0, a1), or (SMEM_A) from the stage: the
 // producer loads the tile's 128 row scales of each K block into a slot of MOK_TP_FP8_SLOT_BYTES
 // per stage (gemm/grouped_gemm_fp8.cuh), and `sa` is this thread's first row in stage 0's slot.
@@ -281,19 +281,19 @@ typedef struct {
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
 // e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into a `part` set), promoted
 // into the fp32 `total` on CUDA cores after every stage: the tensor cores' fp8 accumulator keeps
-// too few bits to run over all of K (DESIGN.md section 2).
+// too few bits to run over all of K (docs/design.md, "FP8 formats").
 // Two `part` sets: block kb + 1 is issued into one before block kb, in the other, is waited for
 // (wait_group 1), released and promoted, so the tensor cores always have the next block while the
 // CUDA cores promote, as bf16's loop keeps one group in flight. With one set the warpgroup's
 // tensor work stopped from each wait to its next issue: a loop-only probe ran at 1312-1337 TF/s
 // with one set against 1536-1546 with two, and the grouped GEMM went from 0.68x-1.04x to
-// 0.83x-1.37x torch's rowwise fp8 (bench/NOTES.md v13). It costs 3 x 64 accumulator registers,
+// 0.83x-1.37x torch's rowwise fp8 (docs/performance.md, "fp8-block GEMM: two part sets"). It costs 3 x 64 accumulator registers,
 // hence the fp8 kernel's 232-240-register consumers.
 // The scales of block kb + 1 are loaded when it is issued (an L2 load's latency hides behind one
 // block's wgmmas), or with SMEM_A its row scales are read from its stage's slot just before they
 // are needed: from global memory, ~12% of the stall samples sat on those loads and their
-// products at DeepSeek-V3's shapes, where the L2 is busy (ncu, bench/NOTES.md v15), and the
-// slots measured 0-4% faster (v16). Barriers and descriptors are shared-memory offsets fixed per
+// products at DeepSeek-V3's shapes, where the L2 is busy (ncu; docs/performance.md, "fp8-block GEMM: activation scales"), and the
+// slots measured 0-4% faster. Barriers and descriptors are shared-memory offsets fixed per
 // tile, not generic pointers converted at every use (ncu: a third of the old loop's instructions).
 // NOTE: the two warpgroups issue together: issuing in turns (ping-pong) measured 15-25% slower
 // (docs/performance.md, "Variants removed").
