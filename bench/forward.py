@@ -8,12 +8,11 @@ the router weight in fp32, torch._grouped_mm with the down weights, index_add_ i
 output, plus the shared expert as dense matmuls; y in bf16. MoK runs what mok_forward and mok_backward
 run by default: the forward is the layout kernel plus one fused persistent kernel
 (src/cuda/forward/fused.cu), the backward the kernel chain of src/gpu/backward.c. The forward's
-unfused kernel chain (MOK_FORWARD=chain) is timed in the same run (chain_ms), and so is the fused
-kernel reading rows gathered by a kernel first (fused_pregathered_ms); y must be the same bits
-every way (fused_equals_chain). Each model also gets a forward + backward case against the
-pipeline under torch.autograd (FLOPs 3x the forward's), with fp32 weight gradients, or bf16 ones
-(the pipeline's dtype; the row's "wgrad") where fp32 ones do not fit beside the pipeline, or as
---wgrad says.
+unfused kernel chain (a second layer tuned to forward_path = 1, the chain) is timed in the same
+run (chain_ms); y must be the same bits both ways (fused_equals_chain). Each model also gets a
+forward + backward case against the pipeline under torch.autograd (FLOPs 3x the forward's), with
+fp32 weight gradients, or bf16 ones (the pipeline's dtype; the row's "wgrad") where fp32 ones do
+not fit beside the pipeline, or as --wgrad says.
 
 Shapes: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 (with its shared expert), T = 16384 tokens,
 top-8 routing drawn uniformly at random. Each case first checks MoK's y against the pipeline's
@@ -25,15 +24,29 @@ FLOPs: 6 T K H I + 6 T H Is. Appends one JSON object per case to --jsonl (defaul
 bench/results/forward.jsonl).
 
     python3 bench/forward.py [--commit SHA] [--cases substring] [--timing blocked|interleaved]
-                             [--variant NAME:VAR=VALUE ...] [--profile] [--wgrad auto]
+                             [--variant NAME:FIELD=VALUE ...] [--profile] [--wgrad auto]
+                             [--lib-b PATH[,PATH...]]
 
---profile also prints the device time of every kernel of the fused forward and of the chain
-(torch.profiler, mean of a few launches), and the fused kernel's task trace (MOK_FUSED_TRACE):
-how much of the CTAs' time went to each task kind's mainloops and epilogues, to waiting, and to
-the tail.
+The binding (python/mok) loads the library MOK_LIBRARY names; unless it is set, this benchmark
+sets it to build/libmok_bench.so (`make all`), which has the public API and the tuning entry point
+mok_bench_layer_tune (bench/driver/mok_bench.h) that the chain and --variant need. Tuning values
+belong to a layer (src/common/tuning.h: a layer copies the defaults when it is created), so each
+configuration is a layer of its own, tuned once when it is created, and the default layer is
+never tuned: the timed calls are plain mok_forward calls. The extra layers are closed before the
+forward + backward case. The --lib-b builds (a libmok.so of any version the binding takes, or a
+libmok_bench.so) are loaded through the binding too, and timed through the public API with their
+own defaults: no tuning calls on them.
 
---variant times the fused forward again under other environment knobs (variant_NAME_ms), after
-checking that its y is the chain's bits too.
+--profile also prints the device time of every kernel of the fused forward, the chain, the
+pipeline and each --variant / --lib-b (torch.profiler, mean of a few launches). (The fused
+kernel's task trace is gone; docs/performance.md, "Fused forward: where the time goes", keeps
+what it showed.)
+
+--variant NAME:FIELD=VALUE[,FIELD=VALUE] times the fused forward again on a layer tuned so
+(variant_NAME_ms), after checking that its y is the chain's bits too. FIELDs are
+mok_bench_layer_tune's names of src/common/tuning.h: forward_path (0 fused, 1 chain),
+forward_sms, fused_lag, fused_shared_band, fused_help_pct, tile_group_m (0 = by B's size against
+the L2, -1 = none, n), timeout_s. Example: --variant lag2:fused_lag=2,fused_help_pct=100
 
 --lib-b PATH[,PATH...] times the fused forward of other libmok.so builds in the same rounds
 (mok_lib_b_ms, mok_lib_b2_ms, ...), after checking that each gives the chain's bits: an A/B of
@@ -43,19 +56,25 @@ round (--rounds = --reps, the default with --lib-b) is the protocol that gave th
 both positions (docs/performance.md, "A/B of two builds").
 """
 import argparse
+import ctypes
 import json
 import os
 import sys
 
+# torch before the binding's library: libmok loads libnccl.so.2, and torch imported after it can
+# fail to resolve its own NCCL symbols
 import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+# The binding loads MOK_LIBRARY (python/mok/_lib.py): the benchmarks' library, which has
+# mok_bench_layer_tune, unless the user named another.
+os.environ.setdefault("MOK_LIBRARY", os.path.join(ROOT, "build", "libmok_bench.so"))
 from gemm import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
-                  default_rounds, git_commit, lib_b_name, load_libs, rel_err, set_timing, time_ms,
-                  with_env)
+                  default_rounds, git_commit, lib_b_name, load_libs, rel_err, set_timing, time_ms)
 import mok  # noqa: E402
 import mok._lib  # noqa: E402
 
@@ -88,9 +107,69 @@ def torch_pipeline(x, idx, tw, wgu_t, wd_t, shared):
     return y.bfloat16()
 
 
+# mok_bench_layer_tune's field names (bench/driver/mok_bench.h, src/common/tuning.h)
+TUNING_FIELDS = ("forward_path", "forward_sms", "fused_lag", "fused_shared_band",
+                 "fused_help_pct", "tile_group_m", "timeout_s")
+FORWARD_CHAIN = {"forward_path": 1}  # MOK_FORWARD_CHAIN of src/common/tuning.h
+
+
+def parse_variant(spec):
+    """(NAME, {field: value}) of a --variant NAME:FIELD=VALUE[,FIELD=VALUE]; argparse's error for
+    a malformed one or a field mok_bench_layer_tune does not know."""
+    name, _, fields = spec.partition(":")
+    tuning = {}
+    for kv in (kv for kv in fields.split(",") if kv):
+        field, eq, value = kv.partition("=")
+        if not eq or field not in TUNING_FIELDS:
+            raise argparse.ArgumentTypeError(f"{spec!r}: {kv!r} is not FIELD=VALUE with a FIELD "
+                                             f"of {', '.join(TUNING_FIELDS)}")
+        try:
+            tuning[field] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{spec!r}: {field} = {value!r} is not a number")
+    if not name or not tuning:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
+    return name, tuning
+
+
+def declare_tuning():
+    """Declares mok_bench_layer_tune on the binding's library; SystemExit when that library has
+    none (MOK_LIBRARY names a libmok.so, which exports only include/mok.h)."""
+    try:
+        lib = mok._lib.lib()
+    except OSError as e:
+        raise SystemExit(f"MOK_LIBRARY={os.environ['MOK_LIBRARY']}: {e} (`make all` builds "
+                         f"build/libmok_bench.so)")
+    if not hasattr(lib, "mok_bench_layer_tune"):
+        raise SystemExit(f"MOK_LIBRARY={os.environ['MOK_LIBRARY']} has no mok_bench_layer_tune: "
+                         f"the chain and --variant need a libmok_bench.so (`make all` builds "
+                         f"build/libmok_bench.so)")
+    lib.mok_bench_layer_tune.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_double]
+    lib.mok_bench_layer_tune.restype = ctypes.c_int
+
+
+def tuned_layer(tuning, *args, **kwargs):
+    """A mok.Layer(*args, **kwargs) of the binding's library with the values of `tuning`
+    ({field: value}) set on its handle by mok_bench_layer_tune, once, before any call on it."""
+    layer = mok.Layer(*args, **kwargs)
+    try:
+        for field, value in tuning.items():
+            mok._lib.check(layer._lib.mok_bench_layer_tune(layer._layer, field.encode(), value))
+    except Exception:
+        layer.close()
+        raise
+    return layer
+
+
 def load_lib_b(path):
-    """Another libmok.so (an A/B build), loaded and declared as the binding loads its own."""
-    return with_env(mok._lib.load, {"MOK_LIBRARY": path})()
+    """Another build (an A/B library), loaded and declared as the binding loads its own: the
+    binding reads MOK_LIBRARY, set to `path` for this load only."""
+    default = os.environ["MOK_LIBRARY"]
+    os.environ["MOK_LIBRARY"] = path
+    try:
+        return mok._lib.load()
+    finally:
+        os.environ["MOK_LIBRARY"] = default
 
 
 def with_lib(fn, lib):
@@ -142,73 +221,6 @@ def print_kernel_times(model, label, fn):
         print(f"    {t:8.3f} ms  {name[:100]}")
 
 
-TRACE_PER_CTA, TRACE_FIELDS = 2048, 8  # src/cuda/forward/fused.cu: FK_TRACE_*
-TASK_KINDS = ("SHARED_GATE_UP", "GATE_UP", "DOWN", "SHARED_DOWN", "REDUCE")  # src/common/task_plan.h
-
-
-def print_fused_trace(model, fn):
-    """Runs fn (a fused forward) once with the kernel's task trace on and prints where each CTA's
-    time went: per task kind its mainloops and epilogues, the idle time before its tasks (the
-    consumers waiting for the first stage), and the idle tail; and, for the idle time, when the
-    producer could start loading the task (its dependency met) and when its first stage was
-    issued, against the end of the consumers' previous task; and for tiles stored through the
-    staging buffer, how their epilogue splits into the first store round (GATE_UP: a), the other
-    rounds (g and u; DOWN's second half) and the release."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    buf = torch.zeros(sms * TRACE_PER_CTA * TRACE_FIELDS, dtype=torch.int64, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    with_env(fn, {"MOK_FUSED_TRACE": hex(buf.data_ptr())})()
-    end.record()
-    torch.cuda.synchronize()
-    rec = buf.view(sms, TRACE_PER_CTA, TRACE_FIELDS).cpu().tolist()
-    ctas = [[r for r in cta if r[1] > 0] for cta in rec]
-    ctas = [c for c in ctas if c]
-    t0 = min(c[0][1] for c in ctas)
-    t1 = max(c[-1][3] for c in ctas)
-    span = (t1 - t0) / 1e3
-    # per kind: tasks, mainloop, epilogue, idle before; producer: dependency met, first stage
-    # issued, first stage ready (each after the previous task's end; tile tasks only)
-    stats = {k: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in TASK_KINDS}
-    rounds = {k: [0, 0.0, 0.0, 0.0] for k in TASK_KINDS}  # staged tiles: first / others / release
-    tail = 0.0
-    for c in ctas:
-        prev_end = t0
-        for r in c:
-            st = stats[TASK_KINDS[r[0] >> 56]]
-            st[0] += 1
-            st[1] += (r[2] - r[1]) / 1e3
-            st[2] += (r[3] - r[2]) / 1e3
-            st[3] += (r[1] - prev_end) / 1e3
-            if r[4] > 0 and r[5] > 0:
-                st[4] += (r[4] - prev_end) / 1e3
-                st[5] += (r[5] - prev_end) / 1e3
-                st[6] += (r[1] - prev_end) / 1e3
-            if r[6] > 0 and r[7] > 0:
-                rd = rounds[TASK_KINDS[r[0] >> 56]]
-                rd[0] += 1
-                rd[1] += (r[6] - r[2]) / 1e3
-                rd[2] += (r[7] - r[6]) / 1e3
-                rd[3] += (r[3] - r[7]) / 1e3
-            prev_end = r[3]
-        tail += (t1 - prev_end) / 1e3
-    total = span * len(ctas)
-    print(f"{model} fused trace: {len(ctas)} CTAs, {span / 1e3:.3f} ms from the first task to the "
-          f"last of a {start.elapsed_time(end):.3f} ms forward; per kind: tasks, mean mainloop + "
-          f"epilogue us, share of CTA time (mainloop / epilogue / idle before); after the "
-          f"previous task's end, mean us to: dependency met / first stage issued / ready")
-    for k, (n, ml, ep, idle, dep, iss, rdy) in stats.items():
-        if n:
-            print(f"    {k:15s} {n:6d}  {ml / n:8.1f} + {ep / n:6.1f} us   {100 * ml / total:5.1f}% "
-                  f"/ {100 * ep / total:4.1f}% / {100 * idle / total:4.1f}%   "
-                  f"{dep / n:6.1f} / {iss / n:6.1f} / {rdy / n:6.1f}")
-    for k, (n, first, rest, rel) in rounds.items():
-        if n:
-            print(f"    {k:15s} {n:6d} staged epilogues, mean us: first store round {first / n:.2f}"
-                  f", other rounds {rest / n:.2f}, release {rel / n:.2f}")
-    print(f"    idle after the CTA's last task: {100 * tail / total:.1f}%")
-
-
 def run_case(model, args, gen):
     H, I, E, K, Is = MODELS[model]
     dev = torch.device("cuda", 0)
@@ -227,22 +239,26 @@ def run_case(model, args, gen):
     wgu_t = torch.cat([w["wg"], w["wu"]], dim=1).transpose(1, 2)             # [E, H, 2I] view
     wd_t = w["wd"].transpose(1, 2)                                            # [E, I, H] view
 
-    layer = mok.Layer(H, I, E, K, max_tokens=T, shared_intermediate=Is, device="cuda:0")
+    shape = dict(hidden=H, intermediate=I, num_experts=E, top_k=K, max_tokens=T,
+                 shared_intermediate=Is, device="cuda:0")
+    layer = mok.Layer(**shape)  # the defaults, never tuned: what mok_forward runs
+    # the chain on a layer of its own (tuning belongs to a layer); closed with the --variant
+    # layers before the forward + backward case
+    chain_layer = tuned_layer(FORWARD_CHAIN, **shape)
+    tuned = [chain_layer]
     y = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
     ctx = torch.empty(layer.context_bytes(), device=dev, dtype=torch.uint8)
     stream = torch.cuda.current_stream(dev).cuda_stream
 
-    def mok_fwd():
-        layer.forward(x, idx, tw, w, y, ctx, stream=stream)
-
-    chain_fwd = with_env(mok_fwd, {"MOK_FORWARD": "chain"})
-    xg_fwd = with_env(mok_fwd, {"MOK_FUSED_GATHER": "kernel"})
+    def forward_of(lay):
+        return lambda: lay.forward(x, idx, tw, w, y, ctx, stream=stream)
+    mok_fwd, chain_fwd = forward_of(layer), forward_of(chain_layer)
 
     def base():
         return torch_pipeline(x, idx, tw, wgu_t, wd_t, shared)
 
     chain_fwd()
-    layer.check()
+    chain_layer.check()
     y_chain = y.clone()
     mok_fwd()
     layer.check()
@@ -258,49 +274,55 @@ def run_case(model, args, gen):
     if not err < 1e-2:
         row["wrong"] = True
         print(f"{model}: WRONG, relative error {err:.3g} against the PyTorch pipeline")
+        for lay in [layer, *tuned]:
+            lay.close()
         return [row]
-    # --variant NAME:VAR=VALUE[,VAR=VALUE]: the fused kernel under other knobs, same bits required
+    # --variant NAME:FIELD=VALUE[,FIELD=VALUE]: the fused forward of a layer tuned so, same bits
+    # required
     variants = {}
-    for spec in args.variant:
-        name, _, envs = spec.partition(":")
-        fn = with_env(mok_fwd, dict(kv.split("=", 1) for kv in envs.split(",") if kv))
-        if not same_bits(fn, layer.check, y, y_chain):
-            print(f"{model}: variant {name} ({envs}) gives other bits than the chain")
+    for name, tuning in args.variant:
+        lay = tuned_layer(tuning, **shape)
+        tuned.append(lay)
+        fn = forward_of(lay)
+        if not same_bits(fn, lay.check, y, y_chain):
+            print(f"{model}: variant {name} ({tuning}) gives other bits than the chain")
             row["variant_differs"] = name
         variants[f"variant_{name}_ms"] = fn
     # --lib-b: the fused forward through another build, its own layer (same inputs and outputs)
     layers_b = []
     for i, lib_b in enumerate(args.lib_b):
         # (a Layer keeps the library it was created with)
-        layer_b = with_lib(lambda: mok.Layer(H, I, E, K, max_tokens=T, shared_intermediate=Is,
-                                             device="cuda:0"), lib_b)()
+        layer_b = with_lib(lambda: mok.Layer(**shape), lib_b)()
         layers_b.append((layer_b, lib_b))
         fn = with_lib(lambda lb=layer_b: lb.forward(x, idx, tw, w, y, ctx, stream=stream), lib_b)
         if not same_bits(fn, with_lib(layer_b.check, lib_b), y, y_chain):
             print(f"{model}: --lib-b {i + 1} gives other bits than the chain")
             row["variant_differs"] = lib_b_name(i)
         variants[lib_b_name(i)] = fn
-    times = time_ms([mok_fwd, chain_fwd, xg_fwd, base] + list(variants.values()), args.warmup,
+    times = time_ms([mok_fwd, chain_fwd, base] + list(variants.values()), args.warmup,
                     args.reps, args.rounds)
-    mok_ms, chain_ms, xg_ms, base_ms = times[:4]
-    row.update(zip(variants, times[4:]))
-    layer.check()
+    mok_ms, chain_ms, base_ms = times[:3]
+    row.update(zip(variants, times[3:]))
+    for lay in [layer, *tuned]:
+        lay.check()
     for layer_b, lib_b in layers_b:
         with_lib(layer_b.check, lib_b)()
     if args.profile:
         for label, fn in (("fused", mok_fwd), ("chain", chain_fwd), ("pipeline", base)):
             print_kernel_times(model, label, fn)
-        print_fused_trace(model, mok_fwd)
         for name, fn in variants.items():  # variant_NAME_ms, mok_lib_b_ms, ...
             label = name[8:-3] if name.startswith("variant_") else name[4:-3]
-            print_fused_trace(f"{model} [{label}]", fn)
-    for layer_b, lib_b in layers_b:  # before the forward + backward, which needs the memory
+            print_kernel_times(model, label, fn)
+    # before the forward + backward, which needs the memory (a workspace each)
+    for lay in tuned:
+        lay.close()
+    for layer_b, lib_b in layers_b:
         with_lib(layer_b.close, lib_b)()
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9,
-               chain_ms=chain_ms, chain_ratio=base_ms / chain_ms, fused_pregathered_ms=xg_ms,
-               timing=TIMING["mode"], **clock_fields(["mok", "chain", "pregathered", "baseline"]))
+               chain_ms=chain_ms, chain_ratio=base_ms / chain_ms,
+               timing=TIMING["mode"], **clock_fields(["mok", "chain", "baseline"]))
     rows = [row]
 
     # Forward + backward: mok_forward + mok_backward (fp32 weight gradients; bf16 ones, like the
@@ -362,7 +384,7 @@ def run_case(model, args, gen):
                 rel_err_vs_baseline=max(errs.values()),
                 rel_errs=errs, baseline=row["baseline"] + ", torch.autograd backward")
     for k in ("mok_ms", "baseline_ms", "ratio", "tflops", "baseline_tflops", "chain_ms",
-              "chain_ratio", "fused_equals_chain", "fused_pregathered_ms", *variants,
+              "chain_ratio", "fused_equals_chain", *variants,
               *[k for k in brow if k.endswith("_mhz")]):
         brow.pop(k, None)
     if not max(errs.values()) < 2e-2:
@@ -392,26 +414,31 @@ def main():
     ap.add_argument("--rounds", type=int, default=None,
                     help="alternate the timed functions this many times (reps / rounds each; "
                          "default 3, or --reps with --lib-b)")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
-                    help="also time the fused forward with these environment knobs (same bits)")
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant,
+                    metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+                    help="also time the fused forward of a layer with these tuning values "
+                         "(mok_bench_layer_tune; FIELD: " + ", ".join(TUNING_FIELDS) +
+                         "; same bits required; column variant_NAME_ms)")
     ap.add_argument("--lib-b", default=None, metavar="PATH[,PATH...]",
-                    help="A/B: also time the fused forward of these other libmok.so builds in the "
-                         "same rounds (each must give the same bits; columns lib_b, lib_b2, ...)")
+                    help="A/B: also time the fused forward of these other builds (a libmok.so or "
+                         "libmok_bench.so, through the binding, with their defaults) in the same "
+                         "rounds (each must give the same bits; columns lib_b, lib_b2, ...)")
     ap.add_argument("--wgrad", choices=("auto", "fp32", "bf16"), default="auto",
                     help="MoK's weight gradients in the forward + backward case: fp32, bf16 (the "
                          "pipeline's dtype), or auto: fp32, bf16 where fp32 ones do not fit")
     ap.add_argument("--profile", action="store_true",
-                    help="print the device time of each kernel of the fused forward and the chain, "
-                         "and the fused kernel's task trace")
+                    help="print the device time of each kernel of the fused forward, the chain, "
+                         "the pipeline, and each --variant and --lib-b")
     add_timing_args(ap)
     args = ap.parse_args()
     set_timing(args.timing, args.block_ms)
     args.rounds = default_rounds(args)
+    declare_tuning()
     args.lib_b = load_libs(args.lib_b, load_lib_b)
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []
     print(f"{'case':28s} {'mok ms':>8s} {'TF/s':>6s} {'torch ms':>9s} {'TF/s':>6s} {'ratio':>6s} "
-          f"{'rel err':>8s} {'chain ms':>9s} {'pregath ms':>10s}")
+          f"{'rel err':>8s} {'chain ms':>9s}")
     for model in MODELS:
         if not case_selected(model, args.cases):
             continue
@@ -423,8 +450,7 @@ def main():
             if "mok_ms" in r:
                 print(f"{r['case']:28s} {r['mok_ms']:8.3f} {r['tflops']:6.0f} {r['baseline_ms']:9.3f} "
                       f"{r['baseline_tflops']:6.0f} {r['ratio']:6.2f} {r['rel_err_vs_baseline']:8.2g} "
-                      f"{r.get('chain_ms', float('nan')):9.3f} "
-                      f"{r.get('fused_pregathered_ms', float('nan')):10.3f}" +
+                      f"{r.get('chain_ms', float('nan')):9.3f}" +
                       "".join(f" | {k[8:-3]} {v:.3f}" for k, v in r.items()
                               if k.startswith("variant_") and k.endswith("_ms")) +
                       "".join(f" | {k[4:-3]} {v:.3f}" for k, v in r.items()
