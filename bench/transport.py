@@ -1,7 +1,8 @@
 """
-bench/transport.py: dispatch and combine bandwidth of MoK's NVLink transport (build/libmok.so,
-mok_transport_*) against NCCL all_to_all (torch.distributed all_to_all_single) in the same run,
-two ranks on two GPUs (torch.multiprocessing spawn, one process per GPU).
+bench/transport.py: dispatch and combine bandwidth of MoK's NVLink transport
+(build/libmok_bench.so, mok_bench_transport_* of bench/driver/mok_bench.h) against NCCL all_to_all
+(torch.distributed all_to_all_single) in the same run, two ranks on two GPUs
+(torch.multiprocessing spawn, one process per GPU).
 
 Shape: Qwen3-235B-A22B (H = 4096, E = 128, K = 8), T = 16384 tokens per rank (--tokens), uniform
 random top-8 routing (distinct experts per token, a different seed per rank), bf16 rows.
@@ -23,7 +24,7 @@ bf16(x * (e_k % 4 + 1))) in fp32, slot order (the transport's stand-in expert).
 
     python3 bench/transport.py [--sms 20] [--tokens 16384] [--calls 8] [--reps 30] [--cases ...]
                                [--jsonl bench/results/transport.jsonl]
-    (MOK_LIB overrides build/libmok.so)
+    (MOK_LIB overrides build/libmok_bench.so)
 
 Prints a table and appends one JSON object per case to --jsonl.
 """
@@ -38,9 +39,9 @@ import sys
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast; before any NCCL init
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIB = os.environ.get("MOK_LIB", os.path.join(ROOT, "build", "libmok.so"))
-# NOTE: libmok.so loads first, so the process's libnccl.so.2 is the one MoK was built against (its
-# device-communicator structs must match the headers); PyTorch then shares it. bench/
+LIB = os.environ.get("MOK_LIB", os.path.join(ROOT, "build", "libmok_bench.so"))
+# NOTE: libmok_bench.so loads first, so the process's libnccl.so.2 is the one MoK was built against
+# (its device-communicator structs must match the headers); PyTorch then shares it. bench/
 # transport_device.sh builds against PyTorch's wheel when that ships the device headers.
 ctypes.CDLL(LIB, mode=ctypes.RTLD_GLOBAL)
 
@@ -53,31 +54,31 @@ H, E, K = 4096, 128, 8
 DISPATCH, COMBINE, REDUCE = 1, 2, 4  # MOK_TP_DISPATCH, MOK_TP_COMBINE, MOK_TP_REDUCE
 
 
-class Desc(ctypes.Structure):  # mok_transport_desc_t
-    _fields_ = [("max_tokens", ctypes.c_int64), ("hidden", ctypes.c_int64),
-                ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
-                ("tile_m", ctypes.c_int64), ("num_sms", ctypes.c_int),
-                ("timeout_s", ctypes.c_double)]
-
-
 class UniqueId(ctypes.Structure):  # mok_unique_id_t
     _fields_ = [("internal", ctypes.c_char * 128)]
 
 
 def load_lib(path):
+    """The public communicator calls and the driver's scalar-argument transport wrappers
+    (bench/driver/mok_bench.h); libmok.so exports only the former."""
     lib = ctypes.CDLL(path)
+    if not hasattr(lib, "mok_bench_transport_create"):
+        raise SystemExit(f"{path} has no mok_bench_transport_create: the transport benchmark needs "
+                         f"a libmok_bench.so (`make all` builds build/libmok_bench.so)")
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     sig = {
         "mok_get_unique_id": [ctypes.POINTER(UniqueId)],
         "mok_comm_create_unique_id": [ctypes.POINTER(vp), ctypes.POINTER(UniqueId), ctypes.c_int,
                                       ctypes.c_int, ctypes.c_int],
         "mok_comm_destroy": [vp],
-        "mok_transport_create": [ctypes.POINTER(vp), vp, ctypes.POINTER(Desc)],
-        "mok_transport_destroy": [vp],
-        "mok_transport_layout": [vp, i64, vp, vp],
-        "mok_transport_run": [vp, ctypes.c_int, vp, vp, vp],
-        "mok_transport_check": [vp],
-        "mok_transport_remote_bytes": [vp, ctypes.POINTER(i64), ctypes.POINTER(i64)],
+        # (out, comm, max_tokens, hidden, num_experts, top_k, tile_m, num_sms, timeout_s)
+        "mok_bench_transport_create": [ctypes.POINTER(vp), vp, i64, i64, i64, i64, i64,
+                                       ctypes.c_int, ctypes.c_double],
+        "mok_bench_transport_destroy": [vp],
+        "mok_bench_transport_layout": [vp, i64, vp, vp],
+        "mok_bench_transport_run": [vp, ctypes.c_int, vp, vp, vp],
+        "mok_bench_transport_check": [vp],
+        "mok_bench_transport_remote_bytes": [vp, ctypes.POINTER(i64), ctypes.POINTER(i64)],
     }
     for name, args in sig.items():
         getattr(lib, name).argtypes = args
@@ -175,18 +176,18 @@ def worker(rank, args, port, results):
         y = torch.empty_like(x)
         want = expected_y(x, idx)
         for sms in args.sms:
-            desc = Desc(T, H, E, K, 128, sms, 10.0)
             tp = ctypes.c_void_p()
-            ok(lib, lib.mok_transport_create(ctypes.byref(tp), comm, ctypes.byref(desc)),
-               "mok_transport_create")
-            ok(lib, lib.mok_transport_layout(tp, T, idx.data_ptr(), sp), "layout")
-            ok(lib, lib.mok_transport_run(tp, DISPATCH | COMBINE | REDUCE, x.data_ptr(),
-                                          y.data_ptr(), sp), "run")
-            ok(lib, lib.mok_transport_check(tp), "check")
+            ok(lib, lib.mok_bench_transport_create(ctypes.byref(tp), comm, T, H, E, K, 128, sms,
+                                                   10.0), "mok_bench_transport_create")
+            ok(lib, lib.mok_bench_transport_layout(tp, T, idx.data_ptr(), sp), "layout")
+            ok(lib, lib.mok_bench_transport_run(tp, DISPATCH | COMBINE | REDUCE, x.data_ptr(),
+                                                y.data_ptr(), sp), "run")
+            ok(lib, lib.mok_bench_transport_check(tp), "check")
             correct = bool(torch.equal(y, want))
             correct = max_over_ranks(0.0 if correct else 1.0) == 0.0
             db, cb = ctypes.c_int64(), ctypes.c_int64()
-            ok(lib, lib.mok_transport_remote_bytes(tp, ctypes.byref(db), ctypes.byref(cb)), "bytes")
+            ok(lib, lib.mok_bench_transport_remote_bytes(tp, ctypes.byref(db), ctypes.byref(cb)),
+               "bytes")
             sent = gather_ints([db.value, cb.value])  # [rank][dispatch, combine]
 
             for phase, name, col in ((DISPATCH, "dispatch", 0), (COMBINE, "combine", 1),
@@ -194,9 +195,9 @@ def worker(rank, args, port, results):
                 if args.cases and name not in args.cases:
                     continue
                 def call():
-                    lib.mok_transport_run(tp, phase, x.data_ptr(), y.data_ptr(), sp)
+                    lib.mok_bench_transport_run(tp, phase, x.data_ptr(), y.data_ptr(), sp)
                 ms = max_over_ranks(timed(call, args.reps, stream, args.calls))
-                ok(lib, lib.mok_transport_check(tp), f"{name} timing")
+                ok(lib, lib.mok_bench_transport_check(tp), f"{name} timing")
                 mine, other = sent[rank][col], sent[1 - rank][col]
                 base_ms = max_over_ranks(a2a_baseline(mine, other, rank, args.reps, stream,
                                                       args.calls))
@@ -209,7 +210,7 @@ def worker(rank, args, port, results):
             # window.
             torch.cuda.synchronize()
             dist.barrier()
-            ok(lib, lib.mok_transport_destroy(tp), "mok_transport_destroy")
+            ok(lib, lib.mok_bench_transport_destroy(tp), "mok_bench_transport_destroy")
     ok(lib, lib.mok_comm_destroy(comm), "mok_comm_destroy")
     if rank == 0:
         results.extend(rows)
