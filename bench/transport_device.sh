@@ -1,7 +1,8 @@
 #!/bin/bash
 # bench/transport_device.sh: one full pass of the NVLink transport on a 2-GPU machine: build
 # against the NCCL that PyTorch loads (its wheel, when that has the device API headers), run the
-# transport tests, a compute-sanitizer memcheck of one small case, then bench/transport.py.
+# transport tests, a compute-sanitizer memcheck of one small case, then bench/transport.py
+# (through build/libmok_bench.so).
 # Logs go to $OUT (the device tool's output folder) or /tmp/mok_out; BENCH_ARGS are passed on.
 # Run from the repository root:  bash bench/transport_device.sh
 set -u
@@ -19,17 +20,23 @@ rm -rf build  # objects built with another NCCL_HOME would not be rebuilt
 make nccl-info | tee "$OUT/build.log"
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" \
   >> "$OUT/build.log" 2>&1
-if ! timeout 400 make -j16 build/libmok.so build/mok_tests >> "$OUT/build.log" 2>&1; then
-  # Another part of src/cuda may be mid-change: build the transport alone.
+BENCH_LIB=1
+if ! timeout 400 make -j16 build/libmok.so build/libmok_bench.so build/mok_tests \
+    >> "$OUT/build.log" 2>&1; then
+  # Another part of src/cuda may be mid-change: the transport and its tests alone (only the test
+  # runner of tests/*.c: the other host tests reach the whole layer). build/libmok_bench.so needs
+  # every object (its driver and the layer reach the other kernels' launchers), so the benchmark
+  # is skipped then.
   echo "full make failed (build.log); building without the other CUDA sources" | tee -a "$OUT/build.log"
   grep -E " error" "$OUT/build.log" | head -5
+  BENCH_LIB=0
   if ! timeout 400 make -j16 CUDA_SRCS="src/cuda/comm/nccl_window.cu src/cuda/comm/transport.cu" \
-      GPU_TEST_SRCS=tests/gpu/test_transport.cu build/libmok.so build/mok_tests \
+      TEST_SRCS=tests/runner.c GPU_TEST_SRCS=tests/gpu/test_transport.cu build/mok_tests \
       >> "$OUT/build.log" 2>&1; then
     echo "transport build failed:"; grep -E "error" "$OUT/build.log" | tail -20; exit 1
   fi
 fi
-grep -h -A3 "tp_.*kernel" build/ptxas/src_cuda_transport.cu.log | grep -E "registers|spill"
+grep -h -A3 "tp_.*kernel" build/ptxas/src_cuda_comm_transport.cu.log | grep -E "registers|spill"
 
 timeout 300 ./build/mok_tests transport > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; cat "$OUT/tests.log" | head -60
@@ -43,6 +50,9 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.log"
 fi
 
+if [ "$BENCH_LIB" != 1 ]; then
+  echo "bench skipped: build/libmok_bench.so was not built (see build.log)"; exit 1
+fi
 timeout 400 python3 bench/transport.py --jsonl "$OUT/transport.jsonl" ${BENCH_ARGS:-} \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"; tail -20 "$OUT/bench.log"
