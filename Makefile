@@ -120,6 +120,8 @@ run: $(BUILD)/mok_run
 	$(BUILD)/mok_run
 
 # Benchmarks on the GPUs present (torch needed for the baselines); results go to bench/results/.
+# They load build/libmok_bench.so (bench/driver), which `all` builds, and set no MOK_* variables:
+# variants are struct fields and tuning values (src/common/tuning.h).
 bench: all
 	NCCL_NVLS_ENABLE=0 python3 bench/gemm.py
 	python3 bench/forward.py
