@@ -40,11 +40,10 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast; before any NCCL init
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB = os.environ.get("MOK_LIB", os.path.join(ROOT, "build", "libmok_bench.so"))
-# NOTE: libmok_bench.so loads first, so the process's libnccl.so.2 is the one MoK was built against
-# (its device-communicator structs must match the headers); PyTorch then shares it. bench/
-# transport_device.sh builds against PyTorch's wheel when that ships the device headers.
-ctypes.CDLL(LIB, mode=ctypes.RTLD_GLOBAL)
-
+# NOTE: PyTorch first. MoK links no NCCL: its first NCCL call binds the libnccl.so.2 already in the
+# process (PyTorch's), which it accepts only at its headers' major.minor (else
+# MOK_ERROR_NOT_AVAILABLE; src/gpu/nccl_loader.h). bench/transport_device.sh builds against
+# PyTorch's wheel when that ships the device headers.
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402

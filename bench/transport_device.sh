@@ -13,7 +13,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
-# One libnccl.so.2 per process: build against the wheel PyTorch uses when it can.
+# One libnccl.so.2 per process, PyTorch's: MoK binds it at run time and accepts it only at its
+# headers' major.minor (src/gpu/nccl_loader.h), so build against the wheel's headers when it can.
 NH=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null)
 if [ -n "$NH" ] && [ -f "$NH/include/nccl_device.h" ]; then export NCCL_HOME="$NH"; fi
 rm -rf build  # objects built with another NCCL_HOME would not be rebuilt
