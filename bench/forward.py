@@ -61,8 +61,8 @@ import json
 import os
 import sys
 
-# torch before the binding's library: libmok loads libnccl.so.2, and torch imported after it can
-# fail to resolve its own NCCL symbols
+# torch before the binding's library, the order src/gpu/nccl_loader.h asks for: the first to load
+# libnccl.so.2 decides for the process
 import torch
 import torch.nn.functional as F
 
