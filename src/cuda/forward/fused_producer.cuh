@@ -7,10 +7,21 @@
 #define MOK_CUDA_FORWARD_FUSED_PRODUCER_CUH
 
 #include "cuda/forward/fused_tile.cuh"
+
 // A stage's tag: the task number and the task itself, decoded once by the producer for both
-// sides. Decoded by the consumers too (between the stage's arrival and their first wgmma), the
-// fused forward was 2-8% slower at the three benchmark shapes (docs/performance.md, "Fused forward: task decoding"). Thread 0 of
-// the producer, before its first arrival on the stage's full barrier.
+// sides (decoded by the consumers too, between the stage's arrival and their first wgmma, the
+// fused forward was 2-8% slower: docs/performance.md, "Fused forward: task decoding"). Thread 0
+// of the producer, before its first arrival on the stage's full barrier.
+// NOTE (memory ordering, and why compute-sanitizer's racecheck reports these accesses): the tag
+// is written after thread 0's wait on the stage's empty barrier completed and before its
+// mbarrier.arrive on the full barrier; consumers read it (fk_peek, fk_task) after their
+// mbarrier.try_wait on the full barrier succeeded, and release the stage (arrive on empty) only
+// after those reads. mbarrier.arrive has release and try_wait acquire semantics at CTA scope
+// (PTX ISA, "mbarrier"), so each write happens before the reads of the same phase and each read
+// before the next phase's write. racecheck orders shared-memory accesses only by bar.sync /
+// __syncthreads, not by mbarriers: on a small fused forward (build/mok_tests
+// fwd_gpu_matches_cpu_small) every hazard it reports is a pair of this write and those reads
+// (13 reports, nothing else; synccheck and initcheck report nothing).
 __device__ __forceinline__ void fk_tag(volatile int64_t *s_tag, volatile int4 *s_task, int stage,
                                        int64_t tag, const mok_task_t &t) {
   s_tag[stage] = tag;
