@@ -60,7 +60,7 @@ TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o) $(GPU_TEST_SRCS:%.cu=$(BUILD)/%.o)
 HEADERS   := $(wildcard include/*.h src/*/*.h bench/driver/*.h src/cuda/*.cuh src/cuda/*/*.h src/cuda/*/*.cuh \
                tests/*.h tests/gpu/*.h tests/gpu/*.cuh)
 
-.PHONY: all test run bench clean check-spills nccl-info
+.PHONY: all test run bench fuzz clean check-spills nccl-info
 all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/libmok_bench.so $(BUILD)/mok_tests $(BUILD)/mok_run
 
 $(BUILD)/%.o: %.c $(HEADERS)
@@ -115,6 +115,13 @@ test: $(BUILD)/mok_tests check-spills
 	  rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; \
 	else echo "SKIP python binding tests: numpy or pytest not installed (pip install numpy pytest)"; fi
 	$(BUILD)/mok_tests $(TESTS)
+
+# The hardening campaign on a GPU machine (tests/gpu/test_fuzz.cu): 1,000 random layers against
+# the CPU layer, then 10,000 forward + backward calls on one layer (no error, device memory flat).
+# `make test` runs both at small counts.
+fuzz: $(BUILD)/mok_tests
+	MOK_FUZZ_CASES=1000 MOK_FUZZ_SEED=1 $(BUILD)/mok_tests fuzz_gpu_layers_match_cpu
+	MOK_SOAK_CALLS=10000 $(BUILD)/mok_tests fuzz_gpu_soak
 
 run: $(BUILD)/mok_run
 	$(BUILD)/mok_run
