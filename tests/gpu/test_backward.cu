@@ -17,7 +17,7 @@
 #include "backward_test_util.cuh"
 
 #define NEED_GPU() \
-  if (!gpu_present()) MOK_SKIP("no CUDA device")
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device")
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Against the CPU layer                                                                           */

@@ -19,7 +19,7 @@
 #include "forward_test_util.cuh"
 
 #define NEED_GPU() \
-  if (!gpu_present()) MOK_SKIP("no CUDA device")
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device")
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Against the CPU layer                                                                           */
