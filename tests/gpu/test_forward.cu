@@ -4,8 +4,9 @@
  * forward_test_util.cuh), plus what only the GPU has: the layout against src/cpu/layout.c,
  * bitwise run-to-run determinism, CUDA graph capture and replay with new routing in the same
  * buffers, asynchronous errors reported by mok_layer_check with y untouched, the saved context,
- * and the fused kernel bitwise equal to the unfused kernel chain on several CTA counts. Every
- * test skips without a GPU.
+ * and the fused kernel bitwise equal to the unfused kernel chain on several CTA counts and
+ * tunings (src/api/internal.h), also with 1024 experts (stores from registers). Every test skips
+ * without a GPU.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -253,13 +254,14 @@ MOK_TEST(fwd_gpu_is_bitwise_deterministic) {
   test_gpu_layer_close(&g);
 }
 
-// Captured through `path` (MOK_FORWARD: the environment is read when mok_forward is called).
-static void graph_case(const char *path) {
-  setenv("MOK_FORWARD", path, 1);
+// Captured through `path` (the layer's tuning, read when mok_forward is called).
+static void graph_case(mok_forward_path_t path) {
+  const char *name = path == MOK_FORWARD_CHAIN ? "chain" : "fused";
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
   test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  MOK_REQUIRE_MSG(test_set_forward_path(g.l, path) == MOK_SUCCESS, "%s", mok_last_error());
   fwd_gpu_inputs(&g, &p);
   cudaStream_t s;
   MOK_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
@@ -268,9 +270,8 @@ static void graph_case(const char *path) {
   MOK_REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
   const mokResult_t r = test_gpu_layer_forward(&g, p.T, s);
   const cudaError_t ce = cudaStreamEndCapture(s, &graph);
-  unsetenv("MOK_FORWARD");
-  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "%s: mok_forward under capture: %s", path, mok_last_error());
-  MOK_REQUIRE_MSG(ce == cudaSuccess, "%s: cudaStreamEndCapture: %s", path, cudaGetErrorString(ce));
+  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "%s: mok_forward under capture: %s", name, mok_last_error());
+  MOK_REQUIRE_MSG(ce == cudaSuccess, "%s: cudaStreamEndCapture: %s", name, cudaGetErrorString(ce));
   MOK_REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
   const test_route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
   for (int i = 0; i < 2; i++) {
@@ -285,7 +286,7 @@ static void graph_case(const char *path) {
     MOK_REQUIRE(cpu_forward(&p, p.T, p.x.data(), p.idx.data(), p.tw.data(), p.Is, p.T_max, &ref,
                             NULL) == MOK_SUCCESS);
     MOK_EXPECT_MSG(fwd_compare_y("graph replay", y.data(), ref.data(), p.T, p.H),
-                   "%s: graph replay %d: y differs from the CPU layer", path, i);
+                   "%s: graph replay %d: y differs from the CPU layer", name, i);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -295,8 +296,8 @@ static void graph_case(const char *path) {
 
 MOK_TEST(fwd_gpu_cuda_graph_replays_with_new_routing) {
   NEED_GPU();
-  graph_case("chain");
-  graph_case("fused");
+  graph_case(MOK_FORWARD_CHAIN);
+  graph_case(MOK_FORWARD_FUSED);
 }
 
 // Saved bf16 g, u (layout order, through the context layout) against the CPU's ((token, slot)
@@ -510,83 +511,85 @@ MOK_TEST(fwd_gpu_qwen3_30b_a3b_sampled_tokens_match_cpu) {
 /* The fused kernel against the kernel chain                                                       */
 /* ---------------------------------------------------------------------------------------------- */
 
-// One forward through `path` ("fused" or "chain"; MOK_FORWARD) on `sms` CTAs (MOK_FORWARD_SMS,
-// NULL = one per SM), from poisoned outputs: y and the whole saved context.
-static void run_path(test_gpu_layer_t *g, const fwd_problem_t *p, const char *path, const char *sms,
-                     std::vector<uint16_t> *y, std::vector<uint8_t> *c, const char *what) {
-  setenv("MOK_FORWARD", path, 1);
-  if (sms) setenv("MOK_FORWARD_SMS", sms, 1);
+// What t sets (src/common/tuning.h), for messages.
+static const char *tuning_name(const mok_tuning_t *t, char *buf, size_t n) {
+  snprintf(buf, n, "%s on %d CTAs (0: all), lag %d, shared band %d, help at %d%%, tile group %d",
+           t->forward_path == MOK_FORWARD_CHAIN ? "chain" : "fused", t->forward_sms, t->fused_lag,
+           t->fused_shared_band, t->fused_help_pct, t->tile_group_m);
+  return buf;
+}
+
+// One forward with the layer's tuning set to t (src/api/internal.h), from poisoned outputs: y and
+// the whole saved context.
+static void run_tuned(test_gpu_layer_t *g, const fwd_problem_t *p, const mok_tuning_t *t,
+                      std::vector<uint16_t> *y, std::vector<uint8_t> *c, const char *what) {
+  char how[160];
+  tuning_name(t, how, sizeof(how));
   cudaMemset(g->y, 0xFF, (size_t)(p->T_max * p->H) * 2);
   cudaMemset(g->ctx, 0xAB, g->ctx_bytes);
-  const mokResult_t r = test_gpu_layer_forward(g, p->T, 0);
-  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s, sms %s): mok_forward: %s", what, path,
-                 sms ? sms : "auto", mok_last_error());
-  const mokResult_t rc = mok_layer_check(g->l);
-  MOK_EXPECT_MSG(rc == MOK_SUCCESS, "%s (%s, sms %s): mok_layer_check: %s", what, path,
-                 sms ? sms : "auto", mok_last_error());
-  unsetenv("MOK_FORWARD");
-  unsetenv("MOK_FORWARD_SMS");
+  mokResult_t r = mok_layer_set_tuning(g->l, t);
+  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s): mok_layer_set_tuning: %s", what, how,
+                 mok_last_error());
+  if (r == MOK_SUCCESS) {
+    r = test_gpu_layer_forward(g, p->T, NULL);
+    MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s): mok_forward: %s", what, how, mok_last_error());
+    r = mok_layer_check(g->l);
+    MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s): mok_layer_check: %s", what, how, mok_last_error());
+  }
   *y = fwd_gpu_y(g, p->T, p->H);
   *c = fwd_gpu_ctx(g);
 }
 
 // The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM,
-// with the issue-order and staging knobs on 3, and with the rows gathered beforehand
-// (MOK_FUSED_GATHER=kernel), lag 1 and DOWN stored from registers on 5.
+// and with every tuning value that moves work between SMs or in time (none may change a bit): on
+// 3 CTAs, bands of 3 and of 8 row tiles in the plan, and none (the default for these small
+// weights is none too); the reduce helpers from the first task (GATE_UP gathered by 2 warps
+// throughout) or only past the last GATE_UP task (without a shared expert: tokens in token order
+// after every DOWN tile; by default, without a shared expert, the helpers start at 85% of the
+// expert stages, in the layout's reduce order); the shared expert's token tiles one per band
+// (default 8); and on 5 CTAs the plan's smallest lag, 1.
 static void fused_case(fwd_problem_t *p, const char *what) {
   test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, p));
   fwd_gpu_inputs(&g, p);
+  mok_tuning_t base;
+  MOK_REQUIRE(mok_layer_tuning(g.l, &base) == MOK_SUCCESS);
+  base.forward_path = MOK_FORWARD_FUSED;
   std::vector<uint16_t> y0, y;
   std::vector<uint8_t> c0, c;
-  run_path(&g, p, "chain", NULL, &y0, &c0, what);
-  const char *sms[4] = {NULL, "1", "3", "7"};
+  mok_tuning_t t = base;
+  t.forward_path = MOK_FORWARD_CHAIN;
+  run_tuned(&g, p, &t, &y0, &c0, what);
+  const int sms[4] = {0, 1, 3, 7};
   for (int i = 0; i < 4; i++) {
-    run_path(&g, p, "fused", sms[i], &y, &c, what);
+    t = base;
+    t.forward_sms = sms[i];
+    run_tuned(&g, p, &t, &y, &c, what);
     int64_t bad = 0, first = -1;
     for (size_t j = 0; j < y.size(); j++)
       if (y[j] != y0[j]) bad++, first = first < 0 ? (int64_t)j : first;
-    MOK_EXPECT_MSG(bad == 0, "%s: fused on %s CTAs: %lld of %zu y elements differ from the chain "
-                   "(first at %lld: %04x vs %04x)", what, sms[i] ? sms[i] : "all", (long long)bad,
+    MOK_EXPECT_MSG(bad == 0, "%s: fused on %d CTAs (0: all): %lld of %zu y elements differ from "
+                   "the chain (first at %lld: %04x vs %04x)", what, sms[i], (long long)bad,
                    y.size(), (long long)first, first >= 0 ? y[first] : 0, first >= 0 ? y0[first] : 0);
-    MOK_EXPECT_MSG(c == c0, "%s: fused on %s CTAs: the saved context differs from the chain's",
-                   what, sms[i] ? sms[i] : "all");
+    MOK_EXPECT_MSG(c == c0, "%s: fused on %d CTAs (0: all): the saved context differs from the "
+                   "chain's", what, sms[i]);
   }
-  // Knobs that must not change a bit, on 3 CTAs: the consumer warpgroups issuing in turns with a,
-  // g and u stored from registers and bands of 3 row tiles in the plan; g and u staged but a from
-  // registers, with bands of 8; a GATE_UP tile's release at the end of its epilogue; the reduce
-  // helpers from the first task (GATE_UP gathered by 2 warps throughout), or only past the last
-  // GATE_UP task (without a shared expert: tokens in token order after every DOWN tile), or
-  // from the first task in token order. (By default all three are staged, the release waits
-  // under the next tile, these small weights give no bands, and without a shared expert the
-  // helpers start at 85% of the expert stages, in the layout's reduce order.)
-  const char *knobs[6][4] = {
-      {"MOK_FUSED_ORDER=1", "MOK_FUSED_GU_STAGED=0", "MOK_TILE_GROUP=3", NULL},
-      {"MOK_FUSED_A_STAGED=0", "MOK_TILE_GROUP=8", NULL, NULL},
-      {"MOK_FUSED_DEFER=0", NULL, NULL, NULL},
-      {"MOK_FUSED_HELP_AT=0", NULL, NULL, NULL},
-      {"MOK_FUSED_HELP_AT=100", NULL, NULL, NULL},
-      {"MOK_FUSED_HELP_AT=0", "MOK_FUSED_REDUCE_ORDER=0", NULL, NULL}};
-  for (int v = 0; v < 6; v++) {
-    char names[3][32];
-    for (int k = 0; knobs[v][k]; k++) {
-      snprintf(names[k], sizeof(names[k]), "%s", knobs[v][k]);
-      *strchr(names[k], '=') = 0;
-      setenv(names[k], strchr(knobs[v][k], '=') + 1, 1);
-    }
-    run_path(&g, p, "fused", "3", &y, &c, what);
-    for (int k = 0; knobs[v][k]; k++) unsetenv(names[k]);
-    MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with %s, %s, %s differs from the chain", what,
-                   knobs[v][0], knobs[v][1] ? knobs[v][1] : "-", knobs[v][2] ? knobs[v][2] : "-");
+  enum { VARIANTS = 7 };
+  mok_tuning_t v[VARIANTS];
+  for (int i = 0; i < VARIANTS; i++) v[i] = base, v[i].forward_sms = 3;
+  v[0].tile_group_m = 3;
+  v[1].tile_group_m = 8;
+  v[2].tile_group_m = -1;
+  v[3].fused_help_pct = 0;
+  v[4].fused_help_pct = 100;
+  v[5].fused_shared_band = 1;
+  v[6].fused_lag = 1, v[6].forward_sms = 5;
+  for (int i = 0; i < VARIANTS; i++) {
+    run_tuned(&g, p, &v[i], &y, &c, what);
+    char how[160];
+    MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with %s differs from the chain", what,
+                   tuning_name(&v[i], how, sizeof(how)));
   }
-  setenv("MOK_FUSED_GATHER", "kernel", 1);  // GATE_UP reads rows gathered by the chain's kernel
-  setenv("MOK_FUSED_LAG", "1", 1);           // the plan's smallest lag
-  setenv("MOK_FUSED_STAGED", "0", 1);        // DOWN stored from registers
-  run_path(&g, p, "fused", "5", &y, &c, what);
-  unsetenv("MOK_FUSED_GATHER");
-  unsetenv("MOK_FUSED_LAG");
-  unsetenv("MOK_FUSED_STAGED");
-  MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with pre-gathered rows differs from the chain", what);
   test_gpu_layer_close(&g);
 }
 
@@ -663,4 +666,29 @@ MOK_TEST(fwd_fused_launcher_rejects_bad_arguments) {
   p = base; p.l.x = buf + 8;     MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.a = buf + 4;       MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.l.T = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_SUCCESS);
+}
+
+// E = MOK_MAX_EXPERTS local experts: the (E + 1) row-tile prefix sums leave no room in shared
+// memory for the staging buffers (they fit up to about E = 480), so the fused kernel stores
+// DOWN's yk and GATE_UP's a, g and u from registers, the path no tuning value selects. Against
+// the CPU layer (tolerance: forward_test_util.cuh) and bitwise against the kernel chain on every
+// CTA count and tuning of fused_case. Most experts get no row: about 2200 rows over 1024.
+// (Named to run last in this file: the random streams of the tests before it stay the same.)
+MOK_TEST(fwd_gpu_with_1024_experts_stores_from_registers) {
+  NEED_GPU();
+  struct {
+    int64_t H, I, K, Is, T;
+    const char *what;
+  } cases[] = {{256, 128, 8, 0, 300, "E = 1024, K = 8, no shared expert"},
+               {128, 256, 4, 128, 600, "E = 1024, K = 4, H = 128 (half a DOWN tile), Is = 128"}};
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    fwd_problem_t p;
+    fwd_problem_init(&p, cases[i].H, cases[i].I, MOK_MAX_EXPERTS, cases[i].K, cases[i].Is,
+                     cases[i].T, cases[i].T);
+    test_gpu_layer_t g;
+    MOK_REQUIRE(fwd_gpu_open(&g, &p));
+    fwd_check_against_cpu(&g, &p, cases[i].what);
+    test_gpu_layer_close(&g);
+    fused_case(&p, cases[i].what);
+  }
 }
