@@ -3,8 +3,8 @@
  * times it. With a GPU it first runs the GPU forward (W = 1, BF16: the layout kernel and one fused
  * persistent kernel) and backward (a kernel chain): checked against the CPU layer on a small
  * shape, then timed at Qwen3-30B-A3B size (CUDA events, median of 10 after 3 warm-ups), the
- * forward also through the unfused kernel chain (MOK_FORWARD=chain), which must give the same
- * bits. Then, with or without a GPU, it runs the CPU reference on a small
+ * forward also through the unfused kernel chain (the layer's tuning, src/api/internal.h), which
+ * must give the same bits. Then, with or without a GPU, it runs the CPU reference on a small
  * shape, in all three precisions, and checks: run-to-run bitwise determinism, finite outputs, and
  * that the fp8 results stay within the e4m3 error of the bf16 result. Layers, descriptors,
  * arguments, random numbers and timers come from the tests' fixtures (tests/support).
@@ -348,14 +348,14 @@ static int run_gpu(void) {
            (long long)s.E, (long long)s.K, (long long)s.Is, med, flops / (med * 1e-3) * 1e-12,
            fin ? "finite" : "NON-FINITE");
     /* The same forward through the unfused kernel chain: the same bits, its own time. */
-    setenv("MOK_FORWARD", "chain", 1);
+    MOK_OK(test_set_forward_path(j.l, MOK_FORWARD_CHAIN));
     const int crc = median_ms(&j, s.T, NULL, ev, &cmed);
-    unsetenv("MOK_FORWARD");
+    MOK_OK(test_set_forward_path(j.l, MOK_FORWARD_FUSED));
     if (crc) return 1;
     GPU_CHECK(cudaMemcpy(yc, j.y, (size_t)(s.T * s.H) * 2, cudaMemcpyDeviceToHost));
     const int same = !memcmp(y, yc, (size_t)(s.T * s.H) * 2);
     failures += !same;
-    printf("  Qwen3-30B-A3B forward, unfused kernel chain (MOK_FORWARD=chain): %.3f ms, %.1f "
+    printf("  Qwen3-30B-A3B forward, unfused kernel chain (forward_path chain): %.3f ms, %.1f "
            "TFLOP/s, y %s\n", cmed, flops / (cmed * 1e-3) * 1e-12,
            same ? "bitwise equal to the fused kernel's" : "DIFFERS FROM THE FUSED KERNEL'S");
     free(yc);
