@@ -9,24 +9,14 @@
 #include <string.h>
 
 #include "cpu/quant.h"
-
-double ref_rng_uniform(ref_rng_t *r) {
-  r->s ^= r->s >> 12;
-  r->s ^= r->s << 25;
-  r->s ^= r->s >> 27;
-  return (double)((r->s * 0x2545F4914F6CDD1DULL) >> 11) * 0x1.0p-53;
-}
-
-double ref_rng_normal(ref_rng_t *r) {
-  double u1 = ref_rng_uniform(r), u2 = ref_rng_uniform(r);
-  return sqrt(-2.0 * log(1.0 - u1)) * cos(6.283185307179586 * u2);
-}
+#include "support/compare.h"
+#include "support/rng.h"
 
 /* n bf16 values ~ N(0, std^2). */
-static double *random_bf16(ref_rng_t *rng, int64_t n, double std) {
+static double *random_bf16(test_rng_t *rng, int64_t n, double std) {
   double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
   if (!v) return NULL;
-  for (int64_t i = 0; i < n; i++) v[i] = mok_round_bf16(std * ref_rng_normal(rng));
+  for (int64_t i = 0; i < n; i++) v[i] = mok_round_bf16(std * test_rng_normal(rng));
   return v;
 }
 
@@ -34,7 +24,7 @@ int ref_problem_init(ref_problem_t *p, int64_t H, int64_t I, int64_t Is, int64_t
                      int64_t N, uint64_t seed, double p_empty, int64_t unused_expert) {
   memset(p, 0, sizeof(*p));
   p->H = H, p->I = I, p->Is = Is, p->E = E, p->K = K, p->N = N;
-  ref_rng_t rng = {seed * 0x9E3779B97F4A7C15ULL + 1};
+  test_rng_t rng = test_rng_star(seed * 0x9E3779B97F4A7C15ULL + 1);
   p->x = random_bf16(&rng, N * H, 1.0);
   p->dy = random_bf16(&rng, N * H, 1.0);
   p->wg = random_bf16(&rng, E * I * H, 1.0 / sqrt((double)H));
@@ -57,15 +47,15 @@ int ref_problem_init(ref_problem_t *p, int64_t H, int64_t I, int64_t Is, int64_t
       int32_t e;
       int fresh;
       do { /* K distinct experts, never the unused one (the caller leaves enough others) */
-        e = (int32_t)(ref_rng_uniform(&rng) * (double)E);
+        e = (int32_t)(test_rng_uniform(&rng) * (double)E);
         fresh = e != unused_expert;
         for (int64_t j = 0; j < k; j++) fresh = fresh && p->idx[t * K + j] != e;
       } while (!fresh);
       p->idx[t * K + k] = e;
-      p->tw[t * K + k] = (double)(float)(0.1 + 0.9 * ref_rng_uniform(&rng));
+      p->tw[t * K + k] = (double)(float)(0.1 + 0.9 * test_rng_uniform(&rng));
     }
     for (int64_t k = 0; k < K; k++) {
-      if (ref_rng_uniform(&rng) < p_empty) p->idx[t * K + k] = -1;
+      if (test_rng_uniform(&rng) < p_empty) p->idx[t * K + k] = -1;
     }
   }
   return 1;
@@ -101,10 +91,8 @@ int64_t ref_routed_w_elems(const ref_problem_t *p) { return p->E * p->I * p->H; 
 int64_t ref_shared_w_elems(const ref_problem_t *p) { return p->Is * p->H; }
 
 int64_t ref_first_diff(const double *a, const double *b, int64_t n) {
-  for (int64_t i = 0; i < n; i++) {
-    if (memcmp(&a[i], &b[i], sizeof(double)) != 0) return i;
-  }
-  return -1;
+  const int64_t byte = test_first_diff(a, b, (size_t)n * sizeof(double));
+  return byte < 0 ? -1 : byte / (int64_t)sizeof(double);
 }
 
 static double *filled(int64_t n, double v) {

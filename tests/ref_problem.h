@@ -12,13 +12,6 @@
 
 enum { REF_MAX_W = 8 };
 
-/* xorshift64* with a fixed seed: the same problem on every machine. */
-typedef struct {
-  uint64_t s;
-} ref_rng_t;
-double ref_rng_uniform(ref_rng_t *r); /* [0, 1) */
-double ref_rng_normal(ref_rng_t *r);  /* N(0, 1) */
-
 /* One layer problem over N tokens; W, tile_m, precision and mode are chosen per run. */
 typedef struct {
   int64_t H, I, E, K, Is, N;
@@ -31,7 +24,8 @@ typedef struct {
 } ref_problem_t;
 
 /* Fills p with random bf16 inputs scaled so activations are O(1) (x, dy ~ N(0, 1); weights
- * ~ N(0, 1 / fan_in)), router weights in [0.1, 1), and routing with K distinct experts per token
+ * ~ N(0, 1 / fan_in); tests/support/rng.h's xorshift64* from the seed: the same problem on every
+ * machine), router weights in [0.1, 1), and routing with K distinct experts per token
  * (never `unused_expert`, -1 for none), each slot empty with probability p_empty.
  * Returns 0 on allocation failure. */
 int ref_problem_init(ref_problem_t *p, int64_t H, int64_t I, int64_t Is, int64_t E, int64_t K,
@@ -77,7 +71,8 @@ void ref_result_free(ref_result_t *res);
 int64_t ref_routed_w_elems(const ref_problem_t *p); /* E * I * H */
 int64_t ref_shared_w_elems(const ref_problem_t *p); /* Is * H */
 
-/* Index of the first element where a and b differ bitwise, -1 when equal. */
+/* Index of the first element where a and b differ bitwise, -1 when equal (test_first_diff of
+ * tests/support/compare.h, by element). */
 int64_t ref_first_diff(const double *a, const double *b, int64_t n);
 
 #endif /* MOK_TESTS_REF_PROBLEM_H */

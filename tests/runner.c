@@ -4,8 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "support/timer.h"
 #include "test.h"
 
 enum { MAX_TESTS = 1024 };
@@ -46,12 +46,6 @@ static int by_file_then_name(const void *a, const void *b) {
   return c ? c : strcmp(x->name, y->name);
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
 int main(int argc, char **argv) {
   const char *filter = argc > 1 ? argv[1] : NULL;
   int passed = 0, failed = 0, skipped = 0;
@@ -61,9 +55,9 @@ int main(int argc, char **argv) {
     if (filter && !strstr(g_tests[i].name, filter) && !strstr(g_tests[i].file, filter)) continue;
     g_failures = 0;
     g_skip = NULL;
-    double t0 = now_s();
+    double t0 = test_now_s();
     g_tests[i].fn();
-    double ms = 1e3 * (now_s() - t0);
+    double ms = 1e3 * (test_now_s() - t0);
     if (g_failures) {
       failed++;
       printf("FAIL %s (%s, %.0f ms)\n", g_tests[i].name, g_tests[i].file, ms);

@@ -8,6 +8,9 @@
  *
  * MOK_EXPECT records a failure and goes on; MOK_REQUIRE records it and returns from the test.
  * MOK_SKIP("reason") ends the test as skipped (GPU tests without a GPU).
+ *
+ * What tests share beyond this (random numbers, bf16 values, timers, comparisons, layer fixtures)
+ * is in tests/support/.
  */
 #ifndef MOK_TEST_H
 #define MOK_TEST_H
@@ -26,15 +29,6 @@ void mok_test_skip(const char *reason);
 #ifdef __cplusplus
 }
 #endif
-
-/* The tests' random numbers: xorshift64, fixed seeds, the same sequence on every machine. */
-static inline uint64_t xorshift64(uint64_t *s) {
-  uint64_t x = *s;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return *s = x;
-}
 
 #define MOK_TEST(name)                                                                  \
   static void name(void);                                                              \

@@ -9,9 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu/layout.h"
-#include "test.h"
 #include "common/workspace.h"
+#include "cpu/layout.h"
+#include "support/rng.h"
+#include "test.h"
 
 /* ---- the property checker -------------------------------------------------------------------- */
 
@@ -133,7 +134,7 @@ typedef enum {
 } route_kind_t;
 
 /* Fills idx [T, K] with distinct experts per row, drawn by `kind`. empty_pct: chance of -1. */
-static void random_routing(uint64_t *rng, int32_t *idx, int64_t T, int64_t E, int64_t K,
+static void random_routing(test_rng_t *rng, int32_t *idx, int64_t T, int64_t E, int64_t K,
                            route_kind_t kind, int empty_pct) {
   for (int64_t t = 0; t < T; t++) {
     for (int64_t k = 0; k < K; k++) {
@@ -142,9 +143,9 @@ static void random_routing(uint64_t *rng, int32_t *idx, int64_t T, int64_t E, in
         e = k == 0 ? (int32_t)(E - 1) : -1;
       } else if (kind == ROUTE_SUBSET && k >= (E + 2) / 3) {
         e = -1; /* the subset has fewer than K experts */
-      } else if ((int)(xorshift64(rng) % 100) >= empty_pct) {
+      } else if ((int)(test_rng_u64(rng) % 100) >= empty_pct) {
         for (;;) { /* rejection until distinct from earlier slots of the row */
-          uint64_t x = xorshift64(rng);
+          uint64_t x = test_rng_u64(rng);
           if (kind == ROUTE_UNIFORM) e = (int32_t)(x % E);
           if (kind == ROUTE_SUBSET) e = (int32_t)((x % ((E + 2) / 3)) * 3);
           if (kind == ROUTE_SKEWED) e = (int32_t)((x % E) * ((x >> 32) % (E + 1)) / E);
@@ -161,7 +162,7 @@ static void random_routing(uint64_t *rng, int32_t *idx, int64_t T, int64_t E, in
 /* Builds and checks one random case; T[s] = 0 ranks get a NULL routing array. */
 static void run_random(uint64_t seed, int W, int64_t E, int64_t K, int64_t tile_m, const int64_t *T,
                        route_kind_t kind, int empty_pct) {
-  uint64_t rng = seed;
+  test_rng_t rng = test_rng(seed);
   int32_t *idx[8] = {0};
   for (int s = 0; s < W; s++) {
     if (T[s] == 0) continue;
@@ -183,16 +184,16 @@ static void run_random(uint64_t seed, int W, int64_t E, int64_t K, int64_t tile_
 
 MOK_TEST(layout_random_routings_over_ranks) {
   const int Ws[4] = {1, 2, 4, 8};
-  uint64_t seed = 0x9E3779B97F4A7C15ull;
+  test_rng_t rng = test_rng(0x9E3779B97F4A7C15ull);
   for (int wi = 0; wi < 4; wi++) {
     int W = Ws[wi];
     for (int rep = 0; rep < 12; rep++) {
       int64_t T[8];
-      for (int s = 0; s < W; s++) T[s] = 1 + (int64_t)(xorshift64(&seed) % 150); /* uneven */
-      int64_t E = (int64_t)W * (1 + (int64_t)(xorshift64(&seed) % 6));
-      int64_t K = 1 + (int64_t)(xorshift64(&seed) % (E < 8 ? E : 8));
-      int64_t tile_m = 1 + (int64_t)(xorshift64(&seed) % 64);
-      run_random(xorshift64(&seed), W, E, K, tile_m, T, (route_kind_t)(rep % 4), rep % 3 * 15);
+      for (int s = 0; s < W; s++) T[s] = 1 + (int64_t)(test_rng_u64(&rng) % 150); /* uneven */
+      int64_t E = (int64_t)W * (1 + (int64_t)(test_rng_u64(&rng) % 6));
+      int64_t K = 1 + (int64_t)(test_rng_u64(&rng) % (E < 8 ? E : 8));
+      int64_t tile_m = 1 + (int64_t)(test_rng_u64(&rng) % 64);
+      run_random(test_rng_u64(&rng), W, E, K, tile_m, T, (route_kind_t)(rep % 4), rep % 3 * 15);
     }
   }
 }

@@ -12,24 +12,14 @@
 
 #include "cpu/quant.h"
 #include "mok.h"
+#include "support/bf16.h"
+#include "support/rng.h"
 #include "test.h"
 
-static uint32_t bits_of(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float float_of(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 /* Uniform in [-1, 1) times 2^p with p uniform in [lo, hi]: values spanning many binades. */
-static float random_value(uint64_t *s, int lo, int hi) {
-  double u = (double)(xorshift64(s) >> 11) * 0x1p-53 * 2.0 - 1.0;
-  int p = lo + (int)(xorshift64(s) % (uint64_t)(hi - lo + 1));
+static float random_value(test_rng_t *s, int lo, int hi) {
+  double u = test_rng_uniform(s) * 2.0 - 1.0;
+  int p = lo + (int)test_rng_below(s, (uint64_t)(hi - lo + 1));
   return (float)ldexp(u, p);
 }
 
@@ -37,16 +27,16 @@ static float random_value(uint64_t *s, int lo, int hi) {
 
 MOK_TEST(bf16_rounds_to_nearest_even) {
   /* 0x3F80_8000: the dropped half is exactly 0x8000 (a tie); kept part 0x3F80 is even: stays. */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x3F808000u)) == 0x3F80);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x3F808000u)) == 0x3F80);
   /* 0x3F81_8000: tie, kept part 0x3F81 is odd: rounds up to 0x3F82. */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x3F818000u)) == 0x3F82);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x3F818000u)) == 0x3F82);
   /* Just above / below the tie go to the nearest. */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x3F808001u)) == 0x3F81);
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x3F817FFFu)) == 0x3F81);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x3F808001u)) == 0x3F81);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x3F817FFFu)) == 0x3F81);
   /* Negative tie with odd kept part 0xBF81 -> 0xBF82 (magnitude rounds, sign kept). */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0xBF818000u)) == 0xBF82);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0xBF818000u)) == 0xBF82);
   /* Mantissa carry into the exponent: 0x3FFF_8000 is a tie on odd 0x3FFF -> 0x4000 (= 2.0). */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x3FFF8000u)) == 0x4000);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x3FFF8000u)) == 0x4000);
   MOK_EXPECT(mok_bf16_from_float(1.0f) == 0x3F80);
   MOK_EXPECT(mok_bf16_to_float(0x3F80) == 1.0f);
   MOK_EXPECT(mok_bf16_to_float(0xC040) == -3.0f);
@@ -60,15 +50,15 @@ MOK_TEST(bf16_special_values) {
   MOK_EXPECT(mok_bf16_from_float(INFINITY) == 0x7F80);
   MOK_EXPECT(mok_bf16_from_float(-INFINITY) == 0xFF80);
   /* FLT_MAX 0x7F7F_FFFF rounds up past the largest bf16 0x7F7F: RNE overflows to +inf. */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x7F7FFFFFu)) == 0x7F80);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x7F7FFFFFu)) == 0x7F80);
   /* Quiet NaN keeps its top bits. */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x7FC00000u)) == 0x7FC0);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x7FC00000u)) == 0x7FC0);
   /* A signalling NaN with only low payload bits: truncation would give 0x7F80 (inf) and rounding
    * 0x7F80 too; the quiet bit 0x0040 keeps it a NaN: 0x7F80 | 0x40 = 0x7FC0, sign kept. */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x7F800001u)) == 0x7FC0);
-  MOK_EXPECT(mok_bf16_from_float(float_of(0xFF800001u)) == 0xFFC0);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x7F800001u)) == 0x7FC0);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0xFF800001u)) == 0xFFC0);
   /* NaN with a high payload 0x7FA1_2345: keeps 0x7FA1 and gets the quiet bit: 0x7FE1. */
-  MOK_EXPECT(mok_bf16_from_float(float_of(0x7FA12345u)) == 0x7FE1);
+  MOK_EXPECT(mok_bf16_from_float(f32_of_bits(0x7FA12345u)) == 0x7FE1);
   MOK_EXPECT(isnan(mok_bf16_to_float(0x7FC0)));
   MOK_EXPECT(signbit(mok_bf16_to_float(0x8000)) && mok_bf16_to_float(0x8000) == 0.0f);
 }
@@ -108,7 +98,7 @@ MOK_TEST(e4m3_encode_hand_vectors) {
   MOK_EXPECT(mok_e4m3_from_float(500.0f) == 0x7E); /* rounds to 512 (code 0x80): saturates */
   MOK_EXPECT(mok_e4m3_from_float(1e9f) == 0x7E);
   MOK_EXPECT(mok_e4m3_from_float(-1e9f) == 0xFE);
-  MOK_EXPECT(mok_e4m3_from_float(float_of(0x7F7FFFFFu)) == 0x7E); /* FLT_MAX */
+  MOK_EXPECT(mok_e4m3_from_float(f32_of_bits(0x7F7FFFFFu)) == 0x7E); /* FLT_MAX */
   /* Infinities: our reading of "satfinite" for the scalar conversion is to saturate them like any
    * value above 448 (+-448 = 0x7E / 0xFE). A block holding one never reaches this: the block rule
    * turns the whole block into NaN codes (tested below). */
@@ -117,7 +107,7 @@ MOK_TEST(e4m3_encode_hand_vectors) {
   /* NaN of either sign -> 0x7F. */
   MOK_EXPECT(mok_e4m3_from_float(NAN) == 0x7F);
   MOK_EXPECT(mok_e4m3_from_float(-NAN) == 0x7F);
-  MOK_EXPECT(mok_e4m3_from_float(float_of(0x7F800001u)) == 0x7F);
+  MOK_EXPECT(mok_e4m3_from_float(f32_of_bits(0x7F800001u)) == 0x7F);
   /* 0.1 = 1.6 * 2^-4: field 3, mantissa 0.6 * 8 = 4.8 -> 5 -> 0 0011 101 = 0x1D (0.1015625). */
   MOK_EXPECT(mok_e4m3_from_float(0.1f) == 0x1D);
 }
@@ -151,7 +141,7 @@ MOK_TEST(e4m3_encode_ties_and_subnormals) {
   MOK_EXPECT(mok_e4m3_from_float(0x1p-11f) == 0x00);
   MOK_EXPECT(mok_e4m3_from_float(1e-40f) == 0x00);
   MOK_EXPECT(mok_e4m3_from_float(-1e-40f) == 0x80);
-  MOK_EXPECT(mok_e4m3_from_float(float_of(1u)) == 0x00);
+  MOK_EXPECT(mok_e4m3_from_float(f32_of_bits(1u)) == 0x00);
 }
 
 MOK_TEST(e4m3_decode_values_and_round_trip) {
@@ -215,7 +205,7 @@ MOK_TEST(e4m3_encode_matches_nearest_even_search) {
     }
   }
   for (uint32_t u = 0; u < 0x44000000u; u += 4093) { /* 0x44000000 = 512 */
-    float v = float_of(u);
+    float v = f32_of_bits(u);
     MOK_EXPECT_MSG(mok_e4m3_from_float(v) == e4m3_brute(v), "%a -> 0x%02X, expected 0x%02X",
                    (double)v, mok_e4m3_from_float(v), e4m3_brute(v));
   }
@@ -260,14 +250,14 @@ MOK_TEST(block_scale_pow2_and_e8m0) {
     MOK_EXPECT(mok_block_scale(0.875f * 0x1p-20f, kind, &b) == 0x1p-29f && b == 98);
     /* Subnormal amax 2^-140: already <= 448 * 2^-127 = 1.75 * 2^-119, X clamps at -127. */
     MOK_EXPECT(mok_block_scale(0x1p-140f, kind, &b) == 0x1p-127f && b == 0);
-    MOK_EXPECT(mok_block_scale(float_of(1u), kind, &b) == 0x1p-127f && b == 0);
+    MOK_EXPECT(mok_block_scale(f32_of_bits(1u), kind, &b) == 0x1p-127f && b == 0);
     /* The lowest boundary: 448 * 2^-127 -> X = -127; one ulp above -> X = -126. */
     MOK_EXPECT(mok_block_scale(448.0f * 0x1p-127f, kind, &b) == 0x1p-127f && b == 0);
     MOK_EXPECT(mok_block_scale(nextafterf(448.0f * 0x1p-127f, 1.0f), kind, &b) == 0x1p-126f &&
                b == 1);
     /* Huge amax: FLT_MAX ~ 2^128 lies between 448 * 2^119 = 1.75 * 2^127 and 448 * 2^120 =
      * 1.75 * 2^128, so X = 120 (byte 247). No finite fp32 amax reaches the clamp at 127. */
-    MOK_EXPECT(mok_block_scale(float_of(0x7F7FFFFFu), kind, &b) == 0x1p120f && b == 247);
+    MOK_EXPECT(mok_block_scale(f32_of_bits(0x7F7FFFFFu), kind, &b) == 0x1p120f && b == 247);
     /* Non-finite blocks: NaN scale and the E8M0 NaN byte. */
     b = 0;
     MOK_EXPECT(isnan(mok_block_scale(NAN, kind, &b)) && b == 0xFF);
@@ -306,7 +296,7 @@ MOK_TEST(quantize_hand_matrix_pow2_ragged) {
   float out[12];
   MOK_REQUIRE(mok_dequantize_host(q, e, 2, 6, 1, 4, MOK_QUANT_E8M0_SCALE, out) == MOK_SUCCESS);
   const float want[6] = {1, -2, 3, 0.5f, 1024, -0.0f};
-  for (int i = 0; i < 6; i++) MOK_EXPECT(bits_of(out[i]) == bits_of(want[i]));
+  for (int i = 0; i < 6; i++) MOK_EXPECT(f32_bits(out[i]) == f32_bits(want[i]));
   for (int i = 6; i < 10; i++) MOK_EXPECT(isnan(out[i]));
   MOK_EXPECT(out[10] == 0x1p-20f && out[11] == 0.0f);
 }
@@ -373,7 +363,7 @@ static void check_matrix(int64_t rows, int64_t cols, int br, int bc, uint64_t se
   uint8_t *q = malloc(n), *q_ref = malloc(n);
   uint8_t *e = malloc(nb), *e_ref = malloc(nb);
   MOK_REQUIRE(in && out && s && s_ref && q && q_ref && e && e_ref);
-  uint64_t rng = seed;
+  test_rng_t rng = test_rng(seed);
   for (int64_t i = 0; i < n; i++) {
     /* Each row has its own magnitude range so blocks get different scales. */
     int base = (int)((i / cols) % 40) - 30;
@@ -440,7 +430,7 @@ MOK_TEST(quantize_ragged_edges) {
 MOK_TEST(quantize_amax_element_maps_to_448) {
   /* With FP32 scales, amax / (amax / 448) is 448 up to one fp32 rounding, which e4m3 rounds (or
    * saturates) to 448: the largest element of every block encodes as +-448. */
-  uint64_t rng = 99;
+  test_rng_t rng = test_rng(99);
   for (int i = 0; i < 2000; i++) {
     float blk[32];
     float amax = 0;
@@ -465,7 +455,7 @@ MOK_TEST(qdq_matrix_equals_quantize_dequantize) {
                {130, 260, 128, 128, MOK_QUANT_POW2_SCALE},
                {3, 100, 1, 32, MOK_QUANT_E8M0_SCALE},
                {6, 70, 2, 32, MOK_QUANT_FP32_SCALE}};
-  uint64_t rng = 0xABCDEF;
+  test_rng_t rng = test_rng(0xABCDEF);
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     int64_t rows = cases[c].rows, cols = cases[c].cols, n = rows * cols;
     int64_t nb =

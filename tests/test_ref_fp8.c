@@ -9,6 +9,7 @@
 
 #include "cpu/quant.h"
 #include "ref_problem.h"
+#include "support/rng.h"
 #include "test.h"
 
 /* ||a - b|| / ||b|| over n elements. */
@@ -164,8 +165,8 @@ MOK_TEST(ref_fp8_block_pow2_and_mxfp8_differ_in_subnormal_range) {
   ref_problem_t p;
   MOK_REQUIRE(ref_problem_init(&p, 128, 64, 32, 4, 2, 2, 85, 0.0, -1));
   for (int64_t h = 0; h < p.H; h++) p.x[h] = h == 0 ? 1.0 : 0.0;
-  ref_rng_t rng = {7};
-  for (int64_t h = 32; h < 64; h++) p.x[h] = mok_round_bf16(0x1p-17 * ref_rng_normal(&rng));
+  test_rng_t rng = test_rng_star(7);
+  for (int64_t h = 32; h < 64; h++) p.x[h] = mok_round_bf16(0x1p-17 * test_rng_normal(&rng));
   for (int64_t i = 0; i < p.E * p.I; i++) p.wg[i * p.H] = p.wu[i * p.H] = 0.0;
   for (int64_t j = 0; j < p.Is; j++) p.wsg[j * p.H] = p.wsu[j * p.H] = 0.0;
   ref_run_t run = ref_run_default(&p);

@@ -19,6 +19,7 @@
 
 #include "cpu/layout.h"
 #include "common/task_plan.h"
+#include "support/rng.h"
 #include "test.h"
 
 enum { BM = 4 }; /* rows per tile and tokens per reduce block in these small shapes */
@@ -59,14 +60,14 @@ static void add_target(void *arg, int64_t b) { ((problem_t *)arg)->down_target[b
 static int problem_init(problem_t *pb, uint64_t seed, int64_t T, int32_t E, int64_t K, int shared,
                         int32_t n_gu, int32_t n_down) {
   memset(pb, 0, sizeof(*pb));
-  uint64_t s = seed;
+  test_rng_t s = test_rng(seed);
   int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
   for (int64_t t = 0; t < T; t++)
     for (int64_t k = 0; k < K; k++) {
       int32_t e;
       int dup;
       do { /* skewed: expert 0 takes about a third of the rows; some slots empty */
-        uint64_t r = xorshift64(&s);
+        uint64_t r = test_rng_u64(&s);
         e = r % 3 == 0 ? 0 : (int32_t)((r >> 8) % (uint64_t)E);
         if ((r >> 20) % 11 == 0) e = -1;
         dup = 0;
@@ -187,7 +188,7 @@ static int simulate_ex(const problem_t *pb, const int64_t *order, int G, int tic
   int64_t *pending_down = malloc(sizeof(int64_t) * (size_t)G); /* a held DOWN release */
   for (int c = 0; c < G; c++) pending[c] = pending_down[c] = -1;
   int64_t next_ticket = 0, finished = 0;
-  uint64_t rng = seed;
+  test_rng_t rng = test_rng(seed);
   *bad = 0;
   if (held) *held = 0;
   for (int c = 0; c < G; c++) cur[c] = ticket ? (next_ticket < s.n ? next_ticket++ : -1) : (c < s.n ? c : -1);
@@ -198,7 +199,7 @@ static int simulate_ex(const problem_t *pb, const int64_t *order, int G, int tic
         runnable[nr++] = c;
     if (nr == 0) break;
     int c = runnable[0];
-    if (policy == POLICY_RANDOM) c = runnable[xorshift64(&rng) % (uint64_t)nr];
+    if (policy == POLICY_RANDOM) c = runnable[test_rng_u64(&rng) % (uint64_t)nr];
     for (int j = 0; j < nr; j++) {
       if (policy == POLICY_LATEST && cur[runnable[j]] > cur[c]) c = runnable[j];
       if (policy == POLICY_EARLIEST && cur[runnable[j]] < cur[c]) c = runnable[j];
@@ -206,7 +207,7 @@ static int simulate_ex(const problem_t *pb, const int64_t *order, int G, int tic
     const int64_t task = order[cur[c]];
     if (left[c] == 0) { /* starts now */
       *bad += !inputs_complete(&s, mok_plan_task(&pb->plan, task));
-      left[c] = 1 + (int64_t)(xorshift64(&rng) % 3);
+      left[c] = 1 + (int64_t)(test_rng_u64(&rng) % 3);
       if (pending[c] >= 0) { /* its first stage is issued: the held release */
         complete(&s, pending[c]);
         finished++;

@@ -2,7 +2,7 @@
  * backward_test_util.cuh: helpers of the GPU backward tests (test_backward.cu): a layer problem
  * with dy and the weight-gradient settings, the CPU layer's forward + backward on it (the
  * reference), a GPU layer with its gradient buffers, and the elementwise comparison with its
- * stated tolerance. Builds on forward_test_util.cuh. Header-only, static.
+ * stated tolerance. Builds on forward_test_util.cuh and tests/support. Header-only, static.
  */
 #ifndef MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
 #define MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
@@ -108,19 +108,11 @@ static mokResult_t cpu_backward(const bwd_problem_t *p, bwd_out_t *o,
                                 const std::vector<uint8_t> *gpu_ctx = NULL) {
   const fwd_problem_t &f = p->f;
   const int64_t T = f.T, H = f.H, K = f.K;
-  mok_comm_t c = NULL;
-  mok_layer_t l = NULL;
-  mokResult_t r = mok_comm_create_local(&c, MOK_DEVICE_CPU);
-  if (r != MOK_SUCCESS) return r;
   mok_layer_desc_t d = bwd_desc(p);
   if (gpu_ctx) d.context_mode = MOK_CONTEXT_SAVE;
-  if ((r = mok_layer_create(&l, c, &d)) != MOK_SUCCESS) {
-    mok_comm_destroy(c);
-    return r;
-  }
-  size_t cb = 0;
-  mok_context_size(l, &cb);
-  void *cbuf = aligned_alloc(64, (cb + 63) / 64 * 64);
+  test_cpu_layer_t c;
+  mokResult_t r = test_cpu_layer_open(&c, &d);
+  if (r != MOK_SUCCESS) return r;
   std::vector<uint16_t> y((size_t)(T * H) + 8);
   o->dx.assign((size_t)(T * H) + 8, 0);
   o->dtw.assign((size_t)(T * K) + 4, 0.0f);
@@ -128,30 +120,19 @@ static mokResult_t cpu_backward(const bwd_problem_t *p, bwd_out_t *o,
     o->dw[i].assign(bwd_w_bytes(p, i) + 16, 0);
     if (p->accumulate) memcpy(o->dw[i].data(), p->dw0[i].data(), bwd_w_bytes(p, i));
   }
-  mok_forward_args_t a;
-  memset(&a, 0, sizeof(a));
-  a.num_tokens = T;
-  a.x = T ? f.x.data() : NULL;
-  a.topk_idx = T ? f.idx.data() : NULL;
-  a.topk_w = T ? f.tw.data() : NULL;
-  a.w.wg = f.wg.data(), a.w.wu = f.wu.data(), a.w.wd = f.wd.data();
-  if (f.Is > 0) a.w.wsg = f.wsg.data(), a.w.wsu = f.wsu.data(), a.w.wsd = f.wsd.data();
-  mok_backward_args_t g;
-  memset(&g, 0, sizeof(g));
-  g.dy = T ? p->dy.data() : NULL;
-  g.dx = T ? o->dx.data() : NULL;
-  g.dtopk_w = T ? o->dtw.data() : NULL;
-  void **dw[BWD_NW] = {&g.dwg, &g.dwu, &g.dwd, &g.dwsg, &g.dwsu, &g.dwsd};
-  for (int i = 0; i < (f.Is > 0 ? BWD_NW : 3); i++) *dw[i] = o->dw[i].data();
-  r = mok_forward(l, &a, T ? y.data() : NULL, cbuf, NULL);
-  if (r == MOK_SUCCESS && gpu_ctx) bwd_inject_saved(p, *gpu_ctx, cbuf);
-  if (r == MOK_SUCCESS) r = mok_backward(l, &a, &g, cbuf, NULL);
+  const mok_forward_args_t a = test_forward_args(T, f.x.data(), f.idx.data(), f.tw.data(),
+                                                 fwd_weights(&f, 1));
+  void *dw[BWD_NW];
+  for (int i = 0; i < BWD_NW; i++) dw[i] = o->dw[i].data();
+  const mok_backward_args_t g =
+      test_backward_args(T, p->dy.data(), o->dx.data(), o->dtw.data(), dw, f.Is > 0);
+  r = mok_forward(c.l, &a, T ? y.data() : NULL, c.ctx, NULL);
+  if (r == MOK_SUCCESS && gpu_ctx) bwd_inject_saved(p, *gpu_ctx, c.ctx);
+  if (r == MOK_SUCCESS) r = mok_backward(c.l, &a, &g, c.ctx, NULL);
   o->dx.resize((size_t)(T * H));
   o->dtw.resize((size_t)(T * K));
   for (int i = 0; i < BWD_NW; i++) o->dw[i].resize(bwd_w_bytes(p, i));
-  free(cbuf);
-  mok_layer_destroy(l);
-  mok_comm_destroy(c);
+  test_cpu_layer_close(&c);
   return r;
 }
 
@@ -176,40 +157,12 @@ static int bwd_compare(const char *what, const char *name, const std::vector<dou
                        const std::vector<double> &ref, const std::vector<double> *start,
                        int64_t cols) {
   const int64_t n = (int64_t)ref.size();
-  double ss = 0;
-  for (int64_t i = 0; i < n; i++) {
-    const double v = ref[i] - (start ? (*start)[i] : 0.0);
-    ss += v * v;
-  }
-  const double rtol = 1.0 / 128, atol = rtol * sqrt(ss / (double)(n > 0 ? n : 1));
-  int64_t bad = 0, worst = -1;
-  double worst_ratio = -1;
-  for (int64_t i = 0; i < n; i++) {
-    const double d = fabs(gpu[i] - ref[i]), bound = atol + rtol * fabs(ref[i]);
-    if (!(d <= bound)) bad++;
-    const double ratio = d <= bound && bound == 0 ? 0.0 : d / bound;  // ref all 0: d must be 0
-    if (!(ratio <= worst_ratio)) {
-      worst_ratio = ratio;
-      worst = i;
-      if (worst_ratio != worst_ratio) break;  // NaN: unwritten or broken output, report it
-    }
-  }
-  if (worst >= 0)
-    printf("    %s: %s worst [%lld][%lld]: gpu %.6g ref %.6g |diff| %.3g = %.3f of its bound "
-           "(atol %.3g); %lld beyond\n",
-           what, name, (long long)(worst / cols), (long long)(worst % cols), gpu[worst],
-           ref[worst], fabs(gpu[worst] - ref[worst]), worst_ratio, atol, (long long)bad);
-  return bad == 0 && worst_ratio == worst_ratio;
-}
-
-static std::vector<double> bwd_bf16_values(const uint16_t *v, size_t n) {
-  std::vector<double> d(n);
-  for (size_t i = 0; i < n; i++) d[i] = bf2f(v[i]);
-  return d;
+  const test_tol_t t = test_tol_rms(ref.data(), start ? start->data() : NULL, n);
+  return test_compare_report(what, name, gpu.data(), ref.data(), n, cols, t);
 }
 
 static std::vector<double> bwd_w_values(const bwd_problem_t *p, const std::vector<uint8_t> &b) {
-  if (p->wdt == MOK_WGRAD_BF16) return bwd_bf16_values((const uint16_t *)b.data(), b.size() / 2);
+  if (p->wdt == MOK_WGRAD_BF16) return bf16_values((const uint16_t *)b.data(), b.size() / 2);
   std::vector<double> d(b.size() / 4);
   for (size_t i = 0; i < d.size(); i++) d[i] = ((const float *)b.data())[i];
   return d;
@@ -219,8 +172,8 @@ static std::vector<double> bwd_w_values(const bwd_problem_t *p, const std::vecto
 static int bwd_compare_all(const char *what, const bwd_problem_t *p, const bwd_out_t *gpu,
                            const bwd_out_t *ref) {
   const fwd_problem_t &f = p->f;
-  int ok = bwd_compare(what, "dx", bwd_bf16_values(gpu->dx.data(), gpu->dx.size()),
-                       bwd_bf16_values(ref->dx.data(), ref->dx.size()), NULL, f.H);
+  int ok = bwd_compare(what, "dx", bf16_values(gpu->dx.data(), gpu->dx.size()),
+                       bf16_values(ref->dx.data(), ref->dx.size()), NULL, f.H);
   ok &= bwd_compare(what, "dtopk_w", std::vector<double>(gpu->dtw.begin(), gpu->dtw.end()),
                     std::vector<double>(ref->dtw.begin(), ref->dtw.end()), NULL, f.K);
   const int64_t cols[BWD_NW] = {f.H, f.H, f.I, f.H, f.H, f.Is};
@@ -238,7 +191,7 @@ static int bwd_compare_all(const char *what, const bwd_problem_t *p, const bwd_o
 /* ---------------------------------------------------------------------------------------------- */
 
 typedef struct {
-  fwd_gpu_t f;
+  test_gpu_layer_t f;
   uint16_t *dy, *dx;  // device [T_max, H]
   float *dtw;         // [T_max, K]
   void *dw[BWD_NW];
@@ -249,7 +202,7 @@ static void bwd_gpu_close(bwd_gpu_t *g) {
   void *bufs[] = {g->dy, g->dx, g->dtw, g->dw[0], g->dw[1], g->dw[2], g->dw[3], g->dw[4], g->dw[5]};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     if (bufs[i]) cudaFree(bufs[i]);
-  fwd_gpu_close(&g->f);
+  test_gpu_layer_close(&g->f);
   memset(g, 0, sizeof(*g));
 }
 
@@ -257,25 +210,12 @@ static void bwd_gpu_close(bwd_gpu_t *g) {
 static int bwd_gpu_open(bwd_gpu_t *g, const bwd_problem_t *p) {
   memset(g, 0, sizeof(*g));
   const fwd_problem_t &f = p->f;
-  mok_layer_desc_t d = bwd_desc(p);
-  fwd_gpu_t *F = &g->f;
-  if (mok_comm_create_local(&F->comm, 0) != MOK_SUCCESS ||
-      mok_layer_create(&F->l, F->comm, &d) != MOK_SUCCESS ||
-      mok_context_size(F->l, &F->ctx_bytes) != MOK_SUCCESS) {
-    printf("    GPU layer: %s\n", mok_last_error());
-    bwd_gpu_close(g);
-    return 0;
-  }
-  F->x = fwd_upload(f.x), F->idx = fwd_upload(f.idx), F->tw = fwd_upload(f.tw);
-  F->wg = fwd_upload(f.wg), F->wu = fwd_upload(f.wu), F->wd = fwd_upload(f.wd);
-  if (f.Is > 0) F->wsg = fwd_upload(f.wsg), F->wsu = fwd_upload(f.wsu), F->wsd = fwd_upload(f.wsd);
-  cudaMalloc(&F->y, (size_t)(f.T_max * f.H) * 2 + 16);
-  cudaMalloc(&F->ctx, F->ctx_bytes);
-  g->dy = fwd_upload(p->dy);
-  cudaMalloc(&g->dx, (size_t)(f.T_max * f.H) * 2 + 16);
-  cudaMalloc(&g->dtw, (size_t)(f.T_max * f.K) * 4 + 16);
-  int ok = F->x && F->idx && F->tw && F->wg && F->wu && F->wd && F->y && F->ctx && g->dy &&
-           g->dx && g->dtw && (f.Is == 0 || (F->wsg && F->wsu && F->wsd));
+  const mok_layer_desc_t d = bwd_desc(p);
+  if (!fwd_gpu_open_desc(&g->f, &f, &d)) return 0;
+  g->dy = to_dev(p->dy);
+  if (cudaMalloc(&g->dx, (size_t)(f.T_max * f.H) * 2 + 16) != cudaSuccess) g->dx = NULL;
+  if (cudaMalloc(&g->dtw, (size_t)(f.T_max * f.K) * 4 + 16) != cudaSuccess) g->dtw = NULL;
+  int ok = g->dy && g->dx && g->dtw;
   for (int i = 0; i < (f.Is > 0 ? BWD_NW : 3); i++) {
     if (cudaMalloc(&g->dw[i], bwd_w_bytes(p, i) + 16) != cudaSuccess) g->dw[i] = NULL;
     ok &= g->dw[i] != NULL;
@@ -285,7 +225,6 @@ static int bwd_gpu_open(bwd_gpu_t *g, const bwd_problem_t *p) {
     bwd_gpu_close(g);
     return 0;
   }
-  cudaMemset(F->ctx, 0, F->ctx_bytes);
   return 1;
 }
 
@@ -305,21 +244,14 @@ static void bwd_gpu_inputs(bwd_gpu_t *g, const bwd_problem_t *p) {
 
 static mokResult_t bwd_gpu_backward(bwd_gpu_t *g, const bwd_problem_t *p, int64_t T,
                                     const void *ctx, cudaStream_t stream) {
-  fwd_gpu_t *F = &g->f;
-  const mok_forward_args_t a = fwd_gpu_args(F, T);
-  mok_backward_args_t b;
-  memset(&b, 0, sizeof(b));
-  b.dy = T ? g->dy : NULL;
-  b.dx = T ? g->dx : NULL;
-  b.dtopk_w = T ? g->dtw : NULL;
-  b.dwg = g->dw[0], b.dwu = g->dw[1], b.dwd = g->dw[2];
-  if (p->f.Is > 0) b.dwsg = g->dw[3], b.dwsu = g->dw[4], b.dwsd = g->dw[5];
-  return mok_backward(F->l, &a, &b, ctx ? ctx : F->ctx, (mok_stream_t)stream);
+  const mok_forward_args_t a = test_gpu_layer_args(&g->f, T);
+  const mok_backward_args_t b = test_backward_args(T, g->dy, g->dx, g->dtw, g->dw, p->f.Is > 0);
+  return mok_backward(g->f.l, &a, &b, ctx ? ctx : g->f.ctx, (mok_stream_t)stream);
 }
 
 // Forward then backward of p's first T tokens on `stream`.
 static mokResult_t bwd_gpu_run(bwd_gpu_t *g, const bwd_problem_t *p, cudaStream_t stream) {
-  mokResult_t r = fwd_gpu_forward(&g->f, p->f.T, stream);
+  mokResult_t r = test_gpu_layer_forward(&g->f, p->f.T, stream);
   if (r != MOK_SUCCESS) return r;
   return bwd_gpu_backward(g, p, p->f.T, NULL, stream);
 }

@@ -1,8 +1,8 @@
 /*
- * forward_test_util.cuh: helpers of the GPU forward tests (test_forward.cu): random layer problems
- * with controlled routing, a GPU layer with its device buffers, the CPU layer (the reference) on
- * the same inputs, and the elementwise comparison with its stated tolerance.
- * Header-only, static.
+ * forward_test_util.cuh: helpers of the GPU forward tests (test_forward.cu) on top of
+ * tests/support: random layer problems with controlled routing (this file's two random streams),
+ * the CPU layer (the reference) and a GPU layer on the same inputs, and the tolerance of y with
+ * its reason. Header-only, static.
  */
 #ifndef MOK_TESTS_GPU_FORWARD_TEST_UTIL_CUH
 #define MOK_TESTS_GPU_FORWARD_TEST_UTIL_CUH
@@ -19,10 +19,16 @@
 extern "C" {
 #include "cpu/layout.h" /* plain C header without its own extern "C" */
 }
-#include "gemm_test_util.h"
-#include "mok.h"
+#include "../support/bf16.h"
+#include "../support/compare.h"
+#include "../support/gpu.h"
+#include "../support/layer.h"
+#include "../support/rng.h"
+#include "api/internal.h"
 #include "common/workspace.h"
 #include "cuda/forward/forward.h"
+#include "gemm_test_util.h"
+#include "mok.h"
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Problems                                                                                        */
@@ -38,42 +44,12 @@ typedef struct {
   std::vector<float> tw;    // [T_max, K]
 } fwd_problem_t;
 
-// How to route: each slot empty with probability p_empty; experts in `avoid` (bit e, E <= 64)
-// never used; hot >= 0: slot 0 of every token goes to expert hot.
-typedef struct {
-  double p_empty;
-  uint64_t avoid;
-  int hot;
-} route_t;
+// The routing stream (the values come from gemm_test_util.h's g_rng).
+static test_rng_t g_route_rng = {0x2545F4914F6CDD1Dull, TEST_RNG_XORSHIFT64};
 
-static uint64_t g_route_rng = 0x2545F4914F6CDD1Dull;
-static inline uint64_t route_next(void) {
-  g_route_rng ^= g_route_rng << 13;
-  g_route_rng ^= g_route_rng >> 7;
-  g_route_rng ^= g_route_rng << 17;
-  return g_route_rng;
-}
-static inline double route_unit(void) { return (double)(route_next() >> 11) / 9007199254740992.0; }
-
-// K distinct experts per token (the avoided ones never), then empty slots.
-static void fwd_route(fwd_problem_t *p, route_t r) {
-  const int64_t E = p->E, K = p->K;
-  for (int64_t t = 0; t < p->T_max; t++) {
-    int32_t *row = &p->idx[t * K];
-    for (int64_t k = 0; k < K; k++) {
-      int32_t e;
-      for (;;) {
-        e = k == 0 && r.hot >= 0 ? r.hot : (int32_t)(route_next() % (uint64_t)E);
-        int used = E <= 64 && ((r.avoid >> e) & 1);
-        for (int64_t j = 0; j < k; j++) used |= row[j] == e;
-        if (!used) break;
-      }
-      row[k] = e;
-    }
-    for (int64_t k = 0; k < K; k++)
-      if (route_unit() < r.p_empty) row[k] = -1;
-    for (int64_t k = 0; k < K; k++) p->tw[t * K + k] = (float)(0.1 + 0.9 * route_unit());
-  }
+// New routing and router weights for all T_max tokens of p (test_route).
+static void fwd_route(fwd_problem_t *p, test_route_t r) {
+  test_route(p->idx.data(), p->tw.data(), p->T_max, p->E, p->K, r, &g_route_rng);
 }
 
 // Inputs of unit scale: x ~ U(-1, 1), weights ~ U(-1, 1) · 2 / sqrt(fan_in).
@@ -86,6 +62,7 @@ static void fwd_problem_init(fwd_problem_t *p, int64_t H, int64_t I, int64_t E, 
   p->wg.resize((size_t)(E * I * H));
   p->wu.resize((size_t)(E * I * H));
   p->wd.resize((size_t)(E * H * I));
+  // NOTE: 8 elements more (a valid .data() when Is = 0), drawn too: they are part of the stream.
   p->wsg.resize((size_t)(Is * H + 8));
   p->wsu.resize((size_t)(Is * H + 8));
   p->wsd.resize((size_t)(H * Is + 8));
@@ -100,15 +77,29 @@ static void fwd_problem_init(fwd_problem_t *p, int64_t H, int64_t I, int64_t E, 
     fill_bf16(p->wsu, 2.0f / sqrtf((float)H));
     fill_bf16(p->wsd, 2.0f / sqrtf((float)Is));
   }
-  route_t r = {0.1, 0, -1};
-  fwd_route(p, r);
+  fwd_route(p, test_route_uniform(0.1));
 }
 
 static mok_layer_desc_t fwd_desc(const fwd_problem_t *p, int64_t Is, int64_t T_max) {
-  mok_layer_desc_t d = MOK_LAYER_DESC_INIT;
-  d.hidden = p->H, d.intermediate = p->I, d.num_experts = p->E, d.top_k = p->K;
-  d.shared_intermediate = Is, d.max_tokens = T_max, d.capacity_factor = p->capacity_factor;
+  mok_layer_desc_t d = test_layer_desc(p->H, p->I, p->E, p->K, Is, T_max);
+  d.capacity_factor = p->capacity_factor;
   d.context_mode = p->mode;
+  return d;
+}
+
+// p's host weights, the shared expert's when it has one and `shared` asks for them.
+static mok_weights_t fwd_weights(const fwd_problem_t *p, int shared) {
+  mok_weights_t w;
+  memset(&w, 0, sizeof(w));
+  w.wg = p->wg.data(), w.wu = p->wu.data(), w.wd = p->wd.data();
+  if (shared && p->Is > 0) w.wsg = p->wsg.data(), w.wsu = p->wsu.data(), w.wsd = p->wsd.data();
+  return w;
+}
+
+// The values of n bf16 elements.
+static std::vector<double> bf16_values(const uint16_t *v, size_t n) {
+  std::vector<double> d(n);
+  for (size_t i = 0; i < n; i++) d[i] = bf2f(v[i]);
   return d;
 }
 
@@ -132,32 +123,15 @@ static mok_ws_layout_t fwd_ctx_layout(const fwd_problem_t *p) {
 static mokResult_t cpu_forward(const fwd_problem_t *p, int64_t T, const uint16_t *x,
                                const int32_t *idx, const float *tw, int64_t Is, int64_t T_max,
                                std::vector<uint16_t> *y, std::vector<uint8_t> *ctx) {
-  mok_comm_t c = NULL;
-  mok_layer_t l = NULL;
-  mokResult_t r = mok_comm_create_local(&c, MOK_DEVICE_CPU);
+  const mok_layer_desc_t d = fwd_desc(p, Is, T_max);
+  test_cpu_layer_t c;
+  mokResult_t r = test_cpu_layer_open(&c, &d);
   if (r != MOK_SUCCESS) return r;
-  mok_layer_desc_t d = fwd_desc(p, Is, T_max);
-  if ((r = mok_layer_create(&l, c, &d)) != MOK_SUCCESS) {
-    mok_comm_destroy(c);
-    return r;
-  }
-  size_t cb = 0;
-  mok_context_size(l, &cb);
-  void *cbuf = aligned_alloc(64, (cb + 63) / 64 * 64);
   y->assign((size_t)(T * p->H), 0);
-  mok_forward_args_t a;
-  memset(&a, 0, sizeof(a));
-  a.num_tokens = T;
-  a.x = T ? x : NULL;
-  a.topk_idx = T ? idx : NULL;
-  a.topk_w = T ? tw : NULL;
-  a.w.wg = p->wg.data(), a.w.wu = p->wu.data(), a.w.wd = p->wd.data();
-  if (Is > 0) a.w.wsg = p->wsg.data(), a.w.wsu = p->wsu.data(), a.w.wsd = p->wsd.data();
-  r = mok_forward(l, &a, T ? y->data() : NULL, cbuf, NULL);
-  if (r == MOK_SUCCESS && ctx) ctx->assign((uint8_t *)cbuf, (uint8_t *)cbuf + cb);
-  free(cbuf);
-  mok_layer_destroy(l);
-  mok_comm_destroy(c);
+  const mok_forward_args_t a = test_forward_args(T, x, idx, tw, fwd_weights(p, Is > 0));
+  r = mok_forward(c.l, &a, T ? y->data() : NULL, c.ctx, NULL);
+  if (r == MOK_SUCCESS && ctx) ctx->assign((uint8_t *)c.ctx, (uint8_t *)c.ctx + c.ctx_bytes);
+  test_cpu_layer_close(&c);
   return r;
 }
 
@@ -178,54 +152,11 @@ static mokResult_t cpu_forward(const fwd_problem_t *p, int64_t T, const uint16_t
  * diff of one ulp of a yk near 0.5 in a y near 0.02): fwd_compare_y_slots allows exactly that.
  * The worst element is printed with its ratio to the bound.
  */
-typedef struct {
-  double atol, rtol;
-} fwd_y_bound_t;
-
-// The bound above for the n elements of ref; fwd_y_allowed(b, r) is |gpu - r|'s limit.
-static fwd_y_bound_t fwd_y_bound(const uint16_t *ref, int64_t n) {
-  double ss = 0;
-  for (int64_t i = 0; i < n; i++) ss += (double)bf2f(ref[i]) * bf2f(ref[i]);
-  fwd_y_bound_t b;
-  b.rtol = 1.0 / 128;
-  b.atol = b.rtol * sqrt(ss / (double)(n > 0 ? n : 1));
-  return b;
-}
-static double fwd_y_allowed(fwd_y_bound_t b, double r) { return b.atol + b.rtol * fabs(r); }
-
 static int fwd_compare_y(const char *what, const uint16_t *gpu, const uint16_t *ref, int64_t T,
                          int64_t H) {
-  const int64_t n = T * H;
-  const fwd_y_bound_t yb = fwd_y_bound(ref, n);
-  int64_t bad = 0, worst = -1;
-  double worst_ratio = -1;
-  for (int64_t i = 0; i < n; i++) {
-    const double g = bf2f(gpu[i]), r = bf2f(ref[i]), d = fabs(g - r);
-    const double bound = fwd_y_allowed(yb, r);
-    if (!(d <= bound)) bad++;
-    const double ratio = d <= bound && bound == 0 ? 0.0 : d / bound;  // ref all 0: d must be 0
-    if (!(ratio <= worst_ratio)) {
-      worst_ratio = ratio;
-      worst = i;
-      if (worst_ratio != worst_ratio) break;  // NaN: unwritten or broken output, report it
-    }
-  }
-  if (worst >= 0) {
-    const double g = bf2f(gpu[worst]), r = bf2f(ref[worst]);
-    printf("    %s: worst y[%lld][%lld]: gpu %.6g ref %.6g |diff| %.3g = %.3f of its bound "
-           "(atol %.3g); %lld elements beyond\n",
-           what, (long long)(worst / H), (long long)(worst % H), g, r, fabs(g - r), worst_ratio,
-           yb.atol, (long long)bad);
-  }
-  return bad == 0 && worst_ratio == worst_ratio;
-}
-
-// One bf16 ulp of v (v a bf16 value; 0 for 0).
-static double fwd_bf16_ulp(double v) {
-  if (v == 0) return 0;
-  int e;
-  frexp(fabs(v), &e);  // |v| in [2^(e-1), 2^e)
-  return ldexp(1.0, e - 1 - 7);
+  const std::vector<double> g = bf16_values(gpu, (size_t)(T * H)), r = bf16_values(ref, g.size());
+  return test_compare_report(what, "y", g.data(), r.data(), T * H, H,
+                             test_tol_rms(r.data(), NULL, T * H));
 }
 
 /*
@@ -241,11 +172,11 @@ static int fwd_compare_y_slots(const char *what, const fwd_problem_t *p, const u
                                const uint16_t *ref, int64_t S, const uint16_t *xs,
                                const int32_t *is, const float *ws) {
   const int64_t H = p->H, K = p->K, n = S * H;
-  const fwd_y_bound_t yb = fwd_y_bound(ref, n);
+  const test_tol_t yb = test_tol_rms(bf16_values(ref, (size_t)n).data(), NULL, n);
   std::vector<int64_t> tokens;
   for (int64_t i = 0; i < n; i++) {
     const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
-    if (!(d <= fwd_y_allowed(yb, bf2f(ref[i]))) && (tokens.empty() || tokens.back() != i / H))
+    if (!(d <= test_tol_allowed(yb, bf2f(ref[i]))) && (tokens.empty() || tokens.back() != i / H))
       tokens.push_back(i / H);
   }
   if (tokens.empty()) return fwd_compare_y(what, gpu, ref, S, H);
@@ -270,10 +201,10 @@ static int fwd_compare_y_slots(const char *what, const fwd_problem_t *p, const u
     const int64_t s = tokens[t];
     for (int64_t h = 0; h < H; h++) {
       double allow = 0;  // an empty slot's row is all zeros: no ulp
-      for (int64_t k = 0; k < K; k++) allow += fwd_bf16_ulp(bf2f(yk[((int64_t)t * K + k) * H + h]));
+      for (int64_t k = 0; k < K; k++) allow += bf16_ulp(bf2f(yk[((int64_t)t * K + k) * H + h]));
       const int64_t i = s * H + h;
       const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
-      const double bound = fwd_y_allowed(yb, bf2f(ref[i]));
+      const double bound = test_tol_allowed(yb, bf2f(ref[i]));
       if (d <= bound) continue;
       if (d <= bound + allow) {
         flips++;
@@ -293,60 +224,22 @@ static int fwd_compare_y_slots(const char *what, const fwd_problem_t *p, const u
 /* The GPU layer                                                                                   */
 /* ---------------------------------------------------------------------------------------------- */
 
-typedef struct {
-  mok_comm_t comm;
-  mok_layer_t l;
-  uint16_t *x, *wg, *wu, *wd, *wsg, *wsu, *wsd, *y;  // device
-  int32_t *idx;
-  float *tw;
-  uint8_t *ctx;
-  size_t ctx_bytes;
-} fwd_gpu_t;
-
-template <class T>
-static T *fwd_upload(const std::vector<T> &h) {
-  return to_dev(h);
+// A GPU layer of descriptor d with p's inputs (all T_max rows) and weights uploaded (y poisoned,
+// the context zeroed). 0 on failure (the reason printed).
+static int fwd_gpu_open_desc(test_gpu_layer_t *g, const fwd_problem_t *p,
+                             const mok_layer_desc_t *d) {
+  const mok_weights_t w = fwd_weights(p, d->shared_intermediate > 0);
+  return test_gpu_layer_open(g, d, p->x.data(), p->idx.data(), p->tw.data(), &w);
 }
 
-static void fwd_gpu_close(fwd_gpu_t *g) {
-  cudaDeviceSynchronize();
-  void *bufs[] = {g->x, g->wg, g->wu, g->wd, g->wsg, g->wsu, g->wsd, g->y, g->idx, g->tw, g->ctx};
-  for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
-    if (bufs[i]) cudaFree(bufs[i]);
-  if (g->l) mok_layer_destroy(g->l);
-  if (g->comm) mok_comm_destroy(g->comm);
-  memset(g, 0, sizeof(*g));
-}
-
-// A GPU layer for p (weights, x, routing uploaded). 0 on failure (the reason printed).
-static int fwd_gpu_open(fwd_gpu_t *g, const fwd_problem_t *p) {
-  memset(g, 0, sizeof(*g));
-  mok_layer_desc_t d = fwd_desc(p, p->Is, p->T_max);
-  if (mok_comm_create_local(&g->comm, 0) != MOK_SUCCESS ||
-      mok_layer_create(&g->l, g->comm, &d) != MOK_SUCCESS ||
-      mok_context_size(g->l, &g->ctx_bytes) != MOK_SUCCESS) {
-    printf("    GPU layer: %s\n", mok_last_error());
-    fwd_gpu_close(g);
-    return 0;
-  }
-  g->x = fwd_upload(p->x), g->idx = fwd_upload(p->idx), g->tw = fwd_upload(p->tw);
-  g->wg = fwd_upload(p->wg), g->wu = fwd_upload(p->wu), g->wd = fwd_upload(p->wd);
-  if (p->Is > 0) g->wsg = fwd_upload(p->wsg), g->wsu = fwd_upload(p->wsu), g->wsd = fwd_upload(p->wsd);
-  cudaMalloc(&g->y, (size_t)(p->T_max * p->H) * 2 + 16);
-  cudaMalloc(&g->ctx, g->ctx_bytes);
-  if (!g->x || !g->idx || !g->tw || !g->wg || !g->wu || !g->wd || !g->y || !g->ctx ||
-      (p->Is > 0 && (!g->wsg || !g->wsu || !g->wsd))) {
-    printf("    GPU layer: device allocation failed\n");
-    fwd_gpu_close(g);
-    return 0;
-  }
-  cudaMemset(g->y, 0xFF, (size_t)(p->T_max * p->H) * 2);  // NaN in bf16: unwritten rows show
-  cudaMemset(g->ctx, 0, g->ctx_bytes);
-  return 1;
+// A GPU layer for p (its descriptor, fwd_desc). 0 on failure (the reason printed).
+static int fwd_gpu_open(test_gpu_layer_t *g, const fwd_problem_t *p) {
+  const mok_layer_desc_t d = fwd_desc(p, p->Is, p->T_max);
+  return fwd_gpu_open_desc(g, p, &d);
 }
 
 // Uploads the problem's current x, routing and router weights.
-static void fwd_gpu_inputs(fwd_gpu_t *g, const fwd_problem_t *p) {
+static void fwd_gpu_inputs(test_gpu_layer_t *g, const fwd_problem_t *p) {
   cudaMemcpy(g->x, p->x.data(), p->x.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(g->idx, p->idx.data(), p->idx.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(g->tw, p->tw.data(), p->tw.size() * 4, cudaMemcpyHostToDevice);
@@ -355,31 +248,13 @@ static void fwd_gpu_inputs(fwd_gpu_t *g, const fwd_problem_t *p) {
   cudaDeviceSynchronize();
 }
 
-// The forward arguments of the first T tokens of g's inputs (also the backward's).
-static mok_forward_args_t fwd_gpu_args(const fwd_gpu_t *g, int64_t T) {
-  mok_forward_args_t a;
-  memset(&a, 0, sizeof(a));
-  a.num_tokens = T;
-  a.x = T ? g->x : NULL;
-  a.topk_idx = T ? g->idx : NULL;
-  a.topk_w = T ? g->tw : NULL;
-  a.w.wg = g->wg, a.w.wu = g->wu, a.w.wd = g->wd;
-  a.w.wsg = g->wsg, a.w.wsu = g->wsu, a.w.wsd = g->wsd;
-  return a;
-}
-
-static mokResult_t fwd_gpu_forward(fwd_gpu_t *g, int64_t T, cudaStream_t stream) {
-  const mok_forward_args_t a = fwd_gpu_args(g, T);
-  return mok_forward(g->l, &a, T ? g->y : NULL, g->ctx, (mok_stream_t)stream);
-}
-
-static std::vector<uint16_t> fwd_gpu_y(const fwd_gpu_t *g, int64_t T, int64_t H) {
+static std::vector<uint16_t> fwd_gpu_y(const test_gpu_layer_t *g, int64_t T, int64_t H) {
   std::vector<uint16_t> y((size_t)(T * H));
   if (T > 0) cudaMemcpy(y.data(), g->y, y.size() * 2, cudaMemcpyDeviceToHost);
   return y;
 }
 
-static std::vector<uint8_t> fwd_gpu_ctx(const fwd_gpu_t *g) {
+static std::vector<uint8_t> fwd_gpu_ctx(const test_gpu_layer_t *g) {
   std::vector<uint8_t> c(g->ctx_bytes);
   cudaMemcpy(c.data(), g->ctx, c.size(), cudaMemcpyDeviceToHost);
   return c;
@@ -387,9 +262,9 @@ static std::vector<uint8_t> fwd_gpu_ctx(const fwd_gpu_t *g) {
 
 // Runs the GPU forward on p's current inputs and checks y against the CPU layer. Returns 1 when
 // everything matched; failures are recorded on the running test.
-static int fwd_check_against_cpu(fwd_gpu_t *g, const fwd_problem_t *p, const char *what) {
+static int fwd_check_against_cpu(test_gpu_layer_t *g, const fwd_problem_t *p, const char *what) {
   fwd_gpu_inputs(g, p);
-  mokResult_t r = fwd_gpu_forward(g, p->T, 0);
+  mokResult_t r = test_gpu_layer_forward(g, p->T, NULL);
   MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s: mok_forward: %s", what, mok_last_error());
   r = mok_layer_check(g->l);
   MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s: mok_layer_check: %s", what, mok_last_error());

@@ -1,7 +1,8 @@
 /*
- * gemm_test_util.h: helpers shared by the grouped-GEMM tests (test_gemm.cu, test_gemm_fp8.cu):
- * bf16 conversion, a deterministic RNG, device copies, ragged problems, and the loop over the
- * launcher's kernel configurations. Header-only, static: each test file gets its own copy.
+ * gemm_test_util.h: helpers of the grouped-GEMM tests (test_gemm.cu, test_gemm_fp8.cu,
+ * test_gemm_wgrad.cu) on top of tests/support: the test file's random stream, ragged problems,
+ * launcher parameters, and the tile-band settings every case runs with. Header-only, static: each
+ * test file gets its own copy (and its own stream).
  */
 #ifndef MOK_TESTS_GPU_GEMM_TEST_UTIL_H
 #define MOK_TESTS_GPU_GEMM_TEST_UTIL_H
@@ -15,40 +16,17 @@
 
 #include <vector>
 
+#include "../support/bf16.h"
+#include "../support/gpu.h"
+#include "../support/rng.h"
 #include "../test.h"
 #include "cuda/gemm/gemm.h"
 
-/* ---------------------------------------------------------------------------------------------- */
-/* Helpers                                                                                         */
-/* ---------------------------------------------------------------------------------------------- */
-
-static inline int gpu_present(void) {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-static inline uint16_t f2bf(float f) {  // round to nearest even (inputs here are finite)
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-static inline float bf2f(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-static inline float rnd_unit(void) {  // uniform in [-1, 1)
-  g_rng ^= g_rng << 13;
-  g_rng ^= g_rng >> 7;
-  g_rng ^= g_rng << 17;
-  return (float)((g_rng >> 40) * (1.0 / 8388608.0)) - 1.0f;
-}
+// This file's random stream (every draw of a test file comes from it, in test order).
+static test_rng_t g_rng = {0x9E3779B97F4A7C15ull, TEST_RNG_XORSHIFT64};
+static inline float rnd_unit(void) { return test_rng_sym_f(&g_rng); }  // uniform in [-1, 1)
 static inline void fill_bf16(std::vector<uint16_t> &v, float scale) {
-  for (size_t i = 0; i < v.size(); i++) v[i] = f2bf(scale * rnd_unit());
+  bf16_fill(v.data(), v.size(), scale, &g_rng);
 }
 
 // Launcher parameters for G groups of a [M, K] x [N, K] problem: dtype, epilogue and the main
@@ -64,15 +42,6 @@ static inline mok_grouped_gemm_params_t gemm_params(mok_gg_dtype_t dtype, mok_gg
   p.offsets = offsets;
   p.c = c;
   return p;
-}
-
-// Device copy of a host vector; returns NULL on failure.
-template <class T>
-static T *to_dev(const std::vector<T> &h) {
-  T *d = NULL;
-  if (cudaMalloc(&d, h.size() * sizeof(T) + 16) != cudaSuccess) return NULL;
-  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return d;
 }
 
 static inline double silu(double g) { return g / (1.0 + exp(-g)); }
@@ -101,30 +70,14 @@ static inline int group_of_row(const problem_t &pr, int r) {
   return -1;
 }
 
-// Runs `body` in each kernel configuration of the launcher's table: staged (TMA-store) epilogue
-// with 2-CTA clusters sharing B (MOK_GG_CLUSTER=2), staged without clusters (the default), direct
-// stores (MOK_GG_TMA_STORE=0), staged with 4 stages and 32 KB of staging (MOK_GG_STAGES=4). fp32
-// stores are staged (3 stages) or direct only, so clusters and 4 stages run the staged kernel for
-// them; fp32 accumulation is always direct. The first, third and fourth take their tiles in bands
-// of 3, 2 and 2 row units (MOK_TILE_GROUP; in bands, a warpgroup whose rows are all past its
-// group's end computes them anyway), the second row unit by row unit (the default for weights
-// this small).
-enum { GEMM_MODES = 4 };
-static inline void set_gemm_mode(int mode) {
-  setenv("MOK_GG_TMA_STORE", mode == 2 ? "0" : "1", 1);
-  setenv("MOK_GG_CLUSTER", mode == 0 ? "2" : "1", 1);
-  setenv("MOK_GG_STAGES", mode == 3 ? "4" : "3", 1);
-  setenv("MOK_TILE_GROUP", mode == 0 ? "3" : mode >= 2 ? "2" : "0", 1);
-}
-static inline void clear_gemm_mode(void) {
-  unsetenv("MOK_GG_TMA_STORE");
-  unsetenv("MOK_GG_CLUSTER");
-  unsetenv("MOK_GG_STAGES");
-  unsetenv("MOK_TILE_GROUP");
-}
-static inline const char *gemm_mode_name(int mode) {
-  return mode == 0 ? "staged+cluster" : mode == 1 ? "staged" : mode == 2 ? "direct" : "staged-4";
-}
+// The row tiles per band of the tile order (mok_grouped_gemm_params_t.group_m) every case runs
+// with: 0 (by the size of B against the L2: no bands for weights this small), -1 (none), 2 and 3
+// (in bands, a warpgroup whose rows are all past its group's end computes them anyway and stores
+// none). The kernel does not depend on it: bf16 and fp32 stores and SwiGLU take the staged
+// (TMA-store) kernel, fp32 accumulation the direct one.
+static const int gemm_group_ms[] = {0, -1, 2, 3};
+enum { GEMM_GROUP_MS = sizeof(gemm_group_ms) / sizeof(gemm_group_ms[0]) };
+
 // Runs p twice, into dc and then dc2 (each [rows, cols] bf16, poisoned with 0xFF bytes first), and
 // copies both results into c and c2 for the caller to compare bitwise. Returns 0, or 1 after
 // writing why into msg when a launch or the device failed.
@@ -147,14 +100,5 @@ static inline int gemm_run_twice(mok_grouped_gemm_params_t *p, uint16_t *dc, uin
   cudaMemcpy(c2.data(), dc2, bytes, cudaMemcpyDeviceToHost);
   return 0;
 }
-
-#define FOR_BOTH_STORE_MODES(body)                                                              \
-  do {                                                                                          \
-    for (int mode_ = 0; mode_ < GEMM_MODES; mode_++) {                                          \
-      set_gemm_mode(mode_);                                                                     \
-      body;                                                                                     \
-    }                                                                                           \
-    clear_gemm_mode();                                                                          \
-  } while (0)
 
 #endif /* MOK_TESTS_GPU_GEMM_TEST_UTIL_H */

@@ -17,13 +17,13 @@
 #include "backward_test_util.cuh"
 
 #define NEED_GPU() \
-  if (!gpu_present()) MOK_SKIP("no CUDA device")
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device")
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Against the CPU layer                                                                           */
 /* ---------------------------------------------------------------------------------------------- */
 
-static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, route_t route,
+static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, test_route_t route,
                        mok_wgrad_dtype_t wdt, int accumulate, const char *what) {
   bwd_problem_t p;
   bwd_problem_init(&p, 256, I, 8, K, Is, T, T > 0 ? T : 16);
@@ -35,7 +35,7 @@ static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, route_t rout
   bwd_gpu_close(&g);
 }
 
-static const route_t plain_route = {0.1, 0, -1};
+static const test_route_t plain_route = {0.1, 0, -1};
 
 MOK_TEST(bwd_gpu_matches_cpu_small) {
   NEED_GPU();
@@ -54,11 +54,12 @@ MOK_TEST(bwd_gpu_wgrad_dtypes_and_accumulate) {
 
 MOK_TEST(bwd_gpu_routing_edge_cases) {
   NEED_GPU();
-  const route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
-  const route_t one_expert = {0.0, 0, 5};  // slot 0 of every token: expert 5
-  const route_t many_empty = {0.45, 0, -1};
-  const route_t all_empty = {1.0, 0, -1};  // no routed rows: routed gradients 0, dx = bf16(dxs)
-  const route_t full = {0.0, 0, -1};
+  const test_route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
+  const test_route_t one_expert = {0.0, 0, 5};  // slot 0 of every token: expert 5
+  const test_route_t many_empty = {0.45, 0, -1};
+  const test_route_t all_empty = {1.0, 0, -1};  // no routed rows: routed gradients 0,
+                                                // dx = bf16(dxs)
+  const test_route_t full = {0.0, 0, -1};
   const mok_wgrad_dtype_t F = MOK_WGRAD_FP32, B = MOK_WGRAD_BF16;
   small_case(128, 0, 2, 100, empty_experts, F, 0, "experts 0, 3, 6 empty");
   small_case(128, 128, 2, 100, empty_experts, B, 1, "experts 0, 3, 6 empty, bf16 accumulated");
@@ -181,7 +182,7 @@ MOK_TEST(bwd_gpu_cuda_graph_replays_with_new_routing) {
   MOK_REQUIRE_MSG(r == MOK_SUCCESS, "forward + backward under capture: %s", mok_last_error());
   MOK_REQUIRE_MSG(ce == cudaSuccess, "cudaStreamEndCapture: %s", cudaGetErrorString(ce));
   MOK_REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
-  const route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
+  const test_route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
   for (int i = 0; i < 2; i++) {
     fwd_route(&p.f, routes[i]);
     bwd_gpu_inputs(&g, &p);
@@ -222,11 +223,10 @@ static void expect_mismatch(bwd_gpu_t *g, const bwd_problem_t *p, int64_t T, con
   std::vector<uint8_t> dx((size_t)(f.T_max * f.H) * 2), dtw((size_t)(f.T_max * f.K) * 4);
   cudaMemcpy(dx.data(), g->dx, dx.size(), cudaMemcpyDeviceToHost);
   cudaMemcpy(dtw.data(), g->dtw, dtw.size(), cudaMemcpyDeviceToHost);
-  int64_t touched = 0;
-  for (size_t i = 0; i < dx.size(); i++) touched += dx[i] != 0x5A;
-  for (size_t i = 0; i < dtw.size(); i++) touched += dtw[i] != 0x5A;
-  MOK_EXPECT_MSG(touched == 0, "%lld bytes of dx, dtopk_w written by a backward with a context "
-                 "that does not match", (long long)touched);
+  const size_t touched =
+      test_bytes_not(dx.data(), dx.size(), 0x5A) + test_bytes_not(dtw.data(), dtw.size(), 0x5A);
+  MOK_EXPECT_MSG(touched == 0, "%zu bytes of dx, dtopk_w written by a backward with a context "
+                 "that does not match", touched);
   std::vector<float> dwg((size_t)bwd_w_elems(p, 0));
   cudaMemcpy(dwg.data(), g->dw[0], dwg.size() * 4, cudaMemcpyDeviceToHost);
   int64_t nonzero = 0;
@@ -245,7 +245,7 @@ MOK_TEST(bwd_gpu_context_mismatch_reported_by_check) {
   MOK_REQUIRE(bwd_gpu_open(&g, &p));
   MOK_REQUIRE(bwd_gpu_open(&other, &p));
   bwd_gpu_inputs(&g, &p);
-  MOK_REQUIRE(fwd_gpu_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
   MOK_REQUIRE_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
 
   // Other routing than the forward's: one slot moved to an expert the token does not use.
@@ -262,14 +262,14 @@ MOK_TEST(bwd_gpu_context_mismatch_reported_by_check) {
 
   // The context of another layer (same shapes, same inputs).
   bwd_gpu_inputs(&other, &p);
-  MOK_REQUIRE(fwd_gpu_forward(&other.f, p.f.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&other.f, p.f.T, 0) == MOK_SUCCESS);
   cudaDeviceSynchronize();
   expect_mismatch(&g, &p, p.f.T, other.f.ctx, "another layer wrote it");
 
   // The context of a forward that met bad routing.
   p.f.idx[3 * 2 + 1] = 8;
   bwd_gpu_inputs(&g, &p);
-  MOK_EXPECT(fwd_gpu_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT(test_gpu_layer_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
   MOK_EXPECT(mok_layer_check(g.f.l) == MOK_ERROR_INVALID_ROUTING);
   expect_mismatch(&g, &p, p.f.T, NULL, "did not complete");
   p.f.idx = good;
@@ -289,15 +289,15 @@ MOK_TEST(bwd_gpu_uses_the_context_not_the_last_forward) {
   bwd_gpu_t g;
   MOK_REQUIRE(bwd_gpu_open(&g, &p));
   bwd_gpu_inputs(&g, &p);
-  MOK_REQUIRE(fwd_gpu_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&g.f, p.f.T, 0) == MOK_SUCCESS);
   void *ctx2 = NULL;
   MOK_REQUIRE(cudaMalloc(&ctx2, g.f.ctx_bytes) == cudaSuccess);
   cudaMemcpy(ctx2, g.f.ctx, g.f.ctx_bytes, cudaMemcpyDeviceToDevice);  // this call's context
   bwd_problem_t q = p;
-  const route_t hot = {0.0, 0, 2};
+  const test_route_t hot = {0.0, 0, 2};
   fwd_route(&q.f, hot);
   fwd_gpu_inputs(&g.f, &q.f);
-  MOK_REQUIRE(fwd_gpu_forward(&g.f, q.f.T, 0) == MOK_SUCCESS);  // another forward in between
+  MOK_REQUIRE(test_gpu_layer_forward(&g.f, q.f.T, 0) == MOK_SUCCESS);  // another forward in between
   fwd_gpu_inputs(&g.f, &p.f);                                   // back to this call's inputs
   MOK_REQUIRE(bwd_gpu_backward(&g, &p, p.f.T, ctx2, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());

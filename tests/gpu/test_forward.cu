@@ -4,8 +4,9 @@
  * forward_test_util.cuh), plus what only the GPU has: the layout against src/cpu/layout.c,
  * bitwise run-to-run determinism, CUDA graph capture and replay with new routing in the same
  * buffers, asynchronous errors reported by mok_layer_check with y untouched, the saved context,
- * and the fused kernel bitwise equal to the unfused kernel chain on several CTA counts. Every
- * test skips without a GPU.
+ * and the fused kernel bitwise equal to the unfused kernel chain on several CTA counts and
+ * tunings (src/api/internal.h), also with 1024 experts (stores from registers). Every test skips
+ * without a GPU.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -19,30 +20,31 @@
 #include "forward_test_util.cuh"
 
 #define NEED_GPU() \
-  if (!gpu_present()) MOK_SKIP("no CUDA device")
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device")
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Against the CPU layer                                                                           */
 /* ---------------------------------------------------------------------------------------------- */
 
 static void sized_case(int64_t H, int64_t I, int64_t E, int64_t K, int64_t Is, int64_t T,
-                       route_t route, const char *what) {
+                       test_route_t route, const char *what) {
   fwd_problem_t p;
   fwd_problem_init(&p, H, I, E, K, Is, T, T > 0 ? T : 16);
   fwd_route(&p, route);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   fwd_check_against_cpu(&g, &p, what);
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
-static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, route_t route, const char *what) {
+static void small_case(int64_t I, int64_t Is, int64_t K, int64_t T, test_route_t route,
+                       const char *what) {
   sized_case(256, I, 8, K, Is, T, route, what);
 }
 
 MOK_TEST(fwd_gpu_matches_cpu_small) {
   NEED_GPU();
-  const route_t r = {0.1, 0, -1};
+  const test_route_t r = {0.1, 0, -1};
   small_case(128, 0, 2, 100, r, "I=128");
   small_case(256, 0, 2, 100, r, "I=256");
   small_case(128, 128, 2, 100, r, "I=128 Is=128");
@@ -51,11 +53,11 @@ MOK_TEST(fwd_gpu_matches_cpu_small) {
 
 MOK_TEST(fwd_gpu_routing_edge_cases) {
   NEED_GPU();
-  const route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
-  const route_t one_expert = {0.0, 0, 5};          // slot 0 of every token: expert 5
-  const route_t many_empty = {0.45, 0, -1};        // -1 slots, some tokens with none at all
-  const route_t all_empty = {1.0, 0, -1};          // no routed rows: y = bf16(ys)
-  const route_t plain = {0.0, 0, -1};
+  const test_route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
+  const test_route_t one_expert = {0.0, 0, 5};          // slot 0 of every token: expert 5
+  const test_route_t many_empty = {0.45, 0, -1};        // -1 slots, some tokens with none at all
+  const test_route_t all_empty = {1.0, 0, -1};          // no routed rows: y = bf16(ys)
+  const test_route_t plain = {0.0, 0, -1};
   small_case(128, 0, 2, 100, empty_experts, "experts 0, 3, 6 empty");
   small_case(128, 128, 2, 300, one_expert, "every token to expert 5 (300 rows)");
   small_case(128, 0, 1, 100, plain, "K = 1");
@@ -72,14 +74,14 @@ MOK_TEST(fwd_gpu_routing_edge_cases) {
   // T = 0 on a layer with T_max = 16: succeeds and reports no error.
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 128, 0, 16);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
-  MOK_EXPECT(fwd_gpu_forward(&g, 0, 0) == MOK_SUCCESS);
+  MOK_EXPECT(test_gpu_layer_forward(&g, 0, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
   // ... and T < T_max
   p.T = 9;
   fwd_check_against_cpu(&g, &p, "T = 9 < T_max = 16");
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -87,7 +89,7 @@ MOK_TEST(fwd_gpu_routing_edge_cases) {
 /* ---------------------------------------------------------------------------------------------- */
 
 // The context's slot_row and offsets against mok_layout_build (W = 1, tile_m = 1: no padding).
-static void check_layout(const fwd_gpu_t *g, const fwd_problem_t *p, const char *what) {
+static void check_layout(const test_gpu_layer_t *g, const fwd_problem_t *p, const char *what) {
   const mok_ws_layout_t lay = fwd_ctx_layout(p);
   std::vector<uint8_t> c = fwd_gpu_ctx(g);
   const int32_t *slot_row = (const int32_t *)(c.data() + lay.ctx[MOK_CTX_SLOT_ROW]);
@@ -181,51 +183,51 @@ static void check_reduce_order(const fwd_problem_t *p, const char *what) {
 
 MOK_TEST(fwd_gpu_layout_matches_cpu_layout) {
   NEED_GPU();
-  const route_t routes[3] = {{0.2, (1u << 2) | (1u << 7), -1}, {0.0, 0, 1}, {0.0, 0, -1}};
+  const test_route_t routes[3] = {{0.2, (1u << 2) | (1u << 7), -1}, {0.0, 0, 1}, {0.0, 0, -1}};
   for (int i = 0; i < 3; i++) {
     fwd_problem_t p;
     fwd_problem_init(&p, 128, 128, 8, 2, 0, 1100, 1100);  // three chunks of one round
     fwd_route(&p, routes[i]);
-    fwd_gpu_t g;
+    test_gpu_layer_t g;
     MOK_REQUIRE(fwd_gpu_open(&g, &p));
     fwd_gpu_inputs(&g, &p);
-    MOK_EXPECT(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+    MOK_EXPECT(test_gpu_layer_forward(&g, p.T, 0) == MOK_SUCCESS);
     MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
     check_layout(&g, &p, "E = 8, K = 2, T = 1100");
     check_reduce_order(&p, "reduce order, E = 8, K = 2, T = 1100");
-    fwd_gpu_close(&g);
+    test_gpu_layer_close(&g);
   }
   fwd_problem_t p;  // many experts, K = 8, with empty slots
   fwd_problem_init(&p, 128, 128, 128, 8, 0, 2000, 2048);
-  route_t r = {0.05, 0, -1};
+  test_route_t r = {0.05, 0, -1};
   fwd_route(&p, r);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   fwd_gpu_inputs(&g, &p);
-  MOK_EXPECT(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT(test_gpu_layer_forward(&g, p.T, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
   check_layout(&g, &p, "E = 128, K = 8, T = 2000");
   check_reduce_order(&p, "reduce order, E = 128, K = 8, T = 2000");
-  fwd_route(&p, route_t{1.0, 0, -1});  // every slot empty: all tokens in bin 0
+  fwd_route(&p, test_route_t{1.0, 0, -1});  // every slot empty: all tokens in bin 0
   check_reduce_order(&p, "reduce order, every slot empty");
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 
   // Long calls on one layer sized for 70000 tokens: chunks of two rounds (T = 70000: 69 chunks of
   // 1024 tokens), then the most chunks (T = 65536: 128 of one round).
   fwd_problem_t q;
   fwd_problem_init(&q, 128, 128, 8, 2, 0, 70000, 70000);
-  fwd_gpu_t gq;
+  test_gpu_layer_t gq;
   MOK_REQUIRE(fwd_gpu_open(&gq, &q));
   fwd_gpu_inputs(&gq, &q);
-  MOK_EXPECT(fwd_gpu_forward(&gq, q.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT(test_gpu_layer_forward(&gq, q.T, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(gq.l) == MOK_SUCCESS, "%s", mok_last_error());
   check_layout(&gq, &q, "E = 8, K = 2, T = 70000");
   check_reduce_order(&q, "reduce order, E = 8, K = 2, T = 70000 (chunks of two rounds)");
   q.T = 65536;
-  MOK_EXPECT(fwd_gpu_forward(&gq, q.T, 0) == MOK_SUCCESS);
+  MOK_EXPECT(test_gpu_layer_forward(&gq, q.T, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(gq.l) == MOK_SUCCESS, "%s", mok_last_error());
   check_layout(&gq, &q, "E = 8, K = 2, T = 65536 of 70000");
-  fwd_gpu_close(&gq);
+  test_gpu_layer_close(&gq);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -236,42 +238,42 @@ MOK_TEST(fwd_gpu_is_bitwise_deterministic) {
   NEED_GPU();
   fwd_problem_t p;
   fwd_problem_init(&p, 512, 256, 16, 4, 128, 1000, 1000);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   fwd_gpu_inputs(&g, &p);
-  MOK_REQUIRE(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&g, p.T, 0) == MOK_SUCCESS);
   std::vector<uint16_t> y1 = fwd_gpu_y(&g, p.T, p.H);
   std::vector<uint8_t> c1 = fwd_gpu_ctx(&g);
   cudaMemset(g.y, 0xFF, (size_t)(p.T * p.H) * 2);
-  MOK_REQUIRE(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&g, p.T, 0) == MOK_SUCCESS);
   MOK_EXPECT_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
   std::vector<uint16_t> y2 = fwd_gpu_y(&g, p.T, p.H);
   std::vector<uint8_t> c2 = fwd_gpu_ctx(&g);
   MOK_EXPECT_MSG(y1 == y2, "y differs between two runs");
   MOK_EXPECT_MSG(c1 == c2, "the saved context differs between two runs");
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
-// Captured through `path` (MOK_FORWARD: the environment is read when mok_forward is called).
-static void graph_case(const char *path) {
-  setenv("MOK_FORWARD", path, 1);
+// Captured through `path` (the layer's tuning, read when mok_forward is called).
+static void graph_case(mok_forward_path_t path) {
+  const char *name = path == MOK_FORWARD_CHAIN ? "chain" : "fused";
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
+  MOK_REQUIRE_MSG(test_set_forward_path(g.l, path) == MOK_SUCCESS, "%s", mok_last_error());
   fwd_gpu_inputs(&g, &p);
   cudaStream_t s;
   MOK_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
   cudaGraph_t graph = NULL;
   cudaGraphExec_t exec = NULL;
   MOK_REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
-  const mokResult_t r = fwd_gpu_forward(&g, p.T, s);
+  const mokResult_t r = test_gpu_layer_forward(&g, p.T, s);
   const cudaError_t ce = cudaStreamEndCapture(s, &graph);
-  unsetenv("MOK_FORWARD");
-  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "%s: mok_forward under capture: %s", path, mok_last_error());
-  MOK_REQUIRE_MSG(ce == cudaSuccess, "%s: cudaStreamEndCapture: %s", path, cudaGetErrorString(ce));
+  MOK_REQUIRE_MSG(r == MOK_SUCCESS, "%s: mok_forward under capture: %s", name, mok_last_error());
+  MOK_REQUIRE_MSG(ce == cudaSuccess, "%s: cudaStreamEndCapture: %s", name, cudaGetErrorString(ce));
   MOK_REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
-  const route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
+  const test_route_t routes[2] = {{0.2, 0, -1}, {0.0, 0, 4}};
   for (int i = 0; i < 2; i++) {
     fwd_route(&p, routes[i]);  // new routing and router weights, same device buffers
     fwd_gpu_inputs(&g, &p);
@@ -284,48 +286,38 @@ static void graph_case(const char *path) {
     MOK_REQUIRE(cpu_forward(&p, p.T, p.x.data(), p.idx.data(), p.tw.data(), p.Is, p.T_max, &ref,
                             NULL) == MOK_SUCCESS);
     MOK_EXPECT_MSG(fwd_compare_y("graph replay", y.data(), ref.data(), p.T, p.H),
-                   "%s: graph replay %d: y differs from the CPU layer", path, i);
+                   "%s: graph replay %d: y differs from the CPU layer", name, i);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
 MOK_TEST(fwd_gpu_cuda_graph_replays_with_new_routing) {
   NEED_GPU();
-  graph_case("chain");
-  graph_case("fused");
+  graph_case(MOK_FORWARD_CHAIN);
+  graph_case(MOK_FORWARD_FUSED);
 }
 
 // Saved bf16 g, u (layout order, through the context layout) against the CPU's ((token, slot)
 // order): one bf16 rounding of an fp32 GEMM result each, so |gpu - ref| <= atol + 2^-7 |ref| with
 // atol = 2^-7 rms(ref) (a flip is one ulp, at most 2^-7 |ref|; order noise is far below atol).
-static int64_t compare_saved(const uint16_t *gpu, const uint16_t *ref, int64_t n, const char *what) {
-  double ss = 0;
-  for (int64_t i = 0; i < n; i++) ss += (double)bf2f(ref[i]) * bf2f(ref[i]);
-  const double rtol = 1.0 / 128, atol = rtol * sqrt(ss / (double)(n > 0 ? n : 1));
-  int64_t bad = 0, worst = -1;
-  double wd = -1;
-  for (int64_t i = 0; i < n; i++) {
-    const double d = fabs((double)bf2f(gpu[i]) - bf2f(ref[i]));
-    if (!(d <= atol + rtol * fabs(bf2f(ref[i])))) bad++;
-    if (!(d <= wd)) wd = d, worst = i;
-  }
-  if (worst >= 0)
-    printf("    saved %s: worst |diff| %.3g (gpu %.6g, ref %.6g, atol %.3g), %lld beyond\n", what,
-           wd, bf2f(gpu[worst]), bf2f(ref[worst]), atol, (long long)bad);
-  return bad;
+static int compare_saved(const uint16_t *gpu, const uint16_t *ref, int64_t n, int64_t cols,
+                         const char *what) {
+  const std::vector<double> g = bf16_values(gpu, (size_t)n), r = bf16_values(ref, (size_t)n);
+  return test_compare_report("saved", what, g.data(), r.data(), n, cols,
+                             test_tol_rms(r.data(), NULL, n));
 }
 
 MOK_TEST(fwd_gpu_saved_context_matches_cpu) {
   NEED_GPU();
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 256, 8, 2, 128, 100, 100);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   fwd_gpu_inputs(&g, &p);
-  MOK_REQUIRE(fwd_gpu_forward(&g, p.T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&g, p.T, 0) == MOK_SUCCESS);
   MOK_REQUIRE_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
   std::vector<uint8_t> c = fwd_gpu_ctx(&g), cref;
   std::vector<uint16_t> yref;
@@ -351,11 +343,13 @@ MOK_TEST(fwd_gpu_saved_context_matches_cpu) {
     g_ref.insert(g_ref.end(), cg + i * I, cg + (i + 1) * I);
     u_ref.insert(u_ref.end(), cu + i * I, cu + (i + 1) * I);
   }
-  MOK_EXPECT(compare_saved(g_gpu.data(), g_ref.data(), (int64_t)g_gpu.size(), "g") == 0);
-  MOK_EXPECT(compare_saved(u_gpu.data(), u_ref.data(), (int64_t)u_gpu.size(), "u") == 0);
-  MOK_EXPECT(compare_saved((const uint16_t *)(c.data() + lay.ctx[MOK_CTX_GS]), cgs, T * Is, "gs") == 0);
-  MOK_EXPECT(compare_saved((const uint16_t *)(c.data() + lay.ctx[MOK_CTX_US]), cus, T * Is, "us") == 0);
-  fwd_gpu_close(&g);
+  MOK_EXPECT(compare_saved(g_gpu.data(), g_ref.data(), (int64_t)g_gpu.size(), I, "g"));
+  MOK_EXPECT(compare_saved(u_gpu.data(), u_ref.data(), (int64_t)u_gpu.size(), I, "u"));
+  MOK_EXPECT(compare_saved((const uint16_t *)(c.data() + lay.ctx[MOK_CTX_GS]), cgs, T * Is, Is,
+                           "gs"));
+  MOK_EXPECT(compare_saved((const uint16_t *)(c.data() + lay.ctx[MOK_CTX_US]), cus, T * Is, Is,
+                           "us"));
+  test_gpu_layer_close(&g);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -365,12 +359,12 @@ MOK_TEST(fwd_gpu_saved_context_matches_cpu) {
 // Runs a forward that must fail on the device: returns MOK_SUCCESS from mok_forward, then
 // mok_layer_check reports `code` with `msg` in the detail, y keeps its poison, the context is
 // marked unusable, and a second check reports nothing.
-static void expect_async_error(fwd_gpu_t *g, const fwd_problem_t *p, mokResult_t code,
+static void expect_async_error(test_gpu_layer_t *g, const fwd_problem_t *p, mokResult_t code,
                                const char *msg) {
   fwd_gpu_inputs(g, p);
   const size_t ybytes = (size_t)(p->T * p->H) * 2;
   cudaMemset(g->y, 0x5A, ybytes);
-  MOK_EXPECT(fwd_gpu_forward(g, p->T, 0) == MOK_SUCCESS);
+  MOK_EXPECT(test_gpu_layer_forward(g, p->T, 0) == MOK_SUCCESS);
   const mokResult_t r = mok_layer_check(g->l);
   MOK_EXPECT_MSG(r == code, "mok_layer_check returned %d (%s), expected %d", (int)r,
                  mok_layer_last_error(g->l), (int)code);
@@ -378,9 +372,8 @@ static void expect_async_error(fwd_gpu_t *g, const fwd_problem_t *p, mokResult_t
                  mok_layer_last_error(g->l), msg);
   std::vector<uint8_t> y(ybytes);
   cudaMemcpy(y.data(), g->y, ybytes, cudaMemcpyDeviceToHost);
-  int64_t touched = 0;
-  for (size_t i = 0; i < ybytes; i++) touched += y[i] != 0x5A;
-  MOK_EXPECT_MSG(touched == 0, "%lld bytes of y written by a failed forward", (long long)touched);
+  const size_t touched = test_bytes_not(y.data(), ybytes, 0x5A);
+  MOK_EXPECT_MSG(touched == 0, "%zu bytes of y written by a failed forward", touched);
   const mok_ws_layout_t lay = fwd_ctx_layout(p);
   std::vector<uint8_t> c = fwd_gpu_ctx(g);
   MOK_EXPECT(((const mok_ctx_header_t *)(c.data() + lay.ctx[MOK_CTX_HEADER]))->magic == 0);
@@ -393,7 +386,7 @@ MOK_TEST(fwd_gpu_bad_routing_reported_by_check) {
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
   const std::vector<int32_t> good = p.idx;
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
 
   p.idx[5 * 2 + 1] = 9;  // out of range
@@ -413,7 +406,7 @@ MOK_TEST(fwd_gpu_bad_routing_reported_by_check) {
                      "topk_idx[3][1] = 8 is not an expert id in [-1, 8)");
   p.idx = good;
   fwd_check_against_cpu(&g, &p, "good routing after two bad entries");
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
 MOK_TEST(fwd_gpu_capacity_overflow_reported_by_check) {
@@ -421,14 +414,14 @@ MOK_TEST(fwd_gpu_capacity_overflow_reported_by_check) {
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 0, 100, 100);
   p.capacity_factor = 0.5;  // 100 rows for T_max = 100, K = 2
-  route_t full = {0.0, 0, -1};
+  test_route_t full = {0.0, 0, -1};
   fwd_route(&p, full);  // 200 rows
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   expect_async_error(&g, &p, MOK_ERROR_CAPACITY_OVERFLOW, "200 routed rows, capacity is 100");
   for (int64_t t = 0; t < p.T; t++) p.idx[t * 2 + 1] = -1;  // exactly 100 rows: fits
   fwd_check_against_cpu(&g, &p, "rows = capacity");
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -439,13 +432,13 @@ MOK_TEST(fwd_gpu_sizes_and_fp8_not_implemented) {
   NEED_GPU();
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 128, 64, 64);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   size_t ws = 0, cb = 0;
   const mok_ws_layout_t lay = fwd_ctx_layout(&p);
   MOK_EXPECT(mok_layer_workspace_size(g.l, &ws) == MOK_SUCCESS && ws > 0);
   MOK_EXPECT(mok_context_size(g.l, &cb) == MOK_SUCCESS && cb == lay.ctx_bytes);
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 
   mok_comm_t c = NULL;
   mok_layer_t l = NULL;
@@ -481,20 +474,20 @@ MOK_TEST(fwd_gpu_qwen3_30b_a3b_sampled_tokens_match_cpu) {
   const int64_t T = 4096, S = 64;
   fwd_problem_t p;
   fwd_problem_init(&p, 2048, 768, 128, 8, 0, T, T);
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   fwd_gpu_inputs(&g, &p);
-  MOK_REQUIRE(fwd_gpu_forward(&g, T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&g, T, 0) == MOK_SUCCESS);
   MOK_REQUIRE_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
   std::vector<uint16_t> y = fwd_gpu_y(&g, T, p.H);
   check_layout(&g, &p, "Qwen3-30B-A3B, T = 4096");
-  MOK_REQUIRE(fwd_gpu_forward(&g, T, 0) == MOK_SUCCESS);
+  MOK_REQUIRE(test_gpu_layer_forward(&g, T, 0) == MOK_SUCCESS);
   MOK_EXPECT(fwd_gpu_y(&g, T, p.H) == y);
 
   std::vector<int64_t> pick;  // S distinct tokens
   std::vector<char> taken((size_t)T, 0);
   while ((int64_t)pick.size() < S) {
-    const int64_t t = (int64_t)(route_next() % (uint64_t)T);
+    const int64_t t = (int64_t)test_rng_below(&g_route_rng, (uint64_t)T);
     if (!taken[t]) taken[t] = 1, pick.push_back(t);
   }
   const int64_t H = p.H, K = p.K;
@@ -511,98 +504,100 @@ MOK_TEST(fwd_gpu_qwen3_30b_a3b_sampled_tokens_match_cpu) {
   MOK_REQUIRE(cpu_forward(&p, S, xs.data(), is.data(), ws.data(), 0, S, &ref, NULL) == MOK_SUCCESS);
   MOK_EXPECT(fwd_compare_y_slots("Qwen3-30B-A3B, 64 of 4096 tokens", &p, ys.data(), ref.data(), S,
                                  xs.data(), is.data(), ws.data()));
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
 /* The fused kernel against the kernel chain                                                       */
 /* ---------------------------------------------------------------------------------------------- */
 
-// One forward through `path` ("fused" or "chain"; MOK_FORWARD) on `sms` CTAs (MOK_FORWARD_SMS,
-// NULL = one per SM), from poisoned outputs: y and the whole saved context.
-static void run_path(fwd_gpu_t *g, const fwd_problem_t *p, const char *path, const char *sms,
-                     std::vector<uint16_t> *y, std::vector<uint8_t> *c, const char *what) {
-  setenv("MOK_FORWARD", path, 1);
-  if (sms) setenv("MOK_FORWARD_SMS", sms, 1);
+// What t sets (src/common/tuning.h), for messages.
+static const char *tuning_name(const mok_tuning_t *t, char *buf, size_t n) {
+  snprintf(buf, n, "%s on %d CTAs (0: all), lag %d, shared band %d, help at %d%%, tile group %d",
+           t->forward_path == MOK_FORWARD_CHAIN ? "chain" : "fused", t->forward_sms, t->fused_lag,
+           t->fused_shared_band, t->fused_help_pct, t->tile_group_m);
+  return buf;
+}
+
+// One forward with the layer's tuning set to t (src/api/internal.h), from poisoned outputs: y and
+// the whole saved context.
+static void run_tuned(test_gpu_layer_t *g, const fwd_problem_t *p, const mok_tuning_t *t,
+                      std::vector<uint16_t> *y, std::vector<uint8_t> *c, const char *what) {
+  char how[160];
+  tuning_name(t, how, sizeof(how));
   cudaMemset(g->y, 0xFF, (size_t)(p->T_max * p->H) * 2);
   cudaMemset(g->ctx, 0xAB, g->ctx_bytes);
-  const mokResult_t r = fwd_gpu_forward(g, p->T, 0);
-  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s, sms %s): mok_forward: %s", what, path,
-                 sms ? sms : "auto", mok_last_error());
-  const mokResult_t rc = mok_layer_check(g->l);
-  MOK_EXPECT_MSG(rc == MOK_SUCCESS, "%s (%s, sms %s): mok_layer_check: %s", what, path,
-                 sms ? sms : "auto", mok_last_error());
-  unsetenv("MOK_FORWARD");
-  unsetenv("MOK_FORWARD_SMS");
+  mokResult_t r = mok_layer_set_tuning(g->l, t);
+  MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s): mok_layer_set_tuning: %s", what, how,
+                 mok_last_error());
+  if (r == MOK_SUCCESS) {
+    r = test_gpu_layer_forward(g, p->T, NULL);
+    MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s): mok_forward: %s", what, how, mok_last_error());
+    r = mok_layer_check(g->l);
+    MOK_EXPECT_MSG(r == MOK_SUCCESS, "%s (%s): mok_layer_check: %s", what, how, mok_last_error());
+  }
   *y = fwd_gpu_y(g, p->T, p->H);
   *c = fwd_gpu_ctx(g);
 }
 
 // The fused kernel's y and context bitwise equal to the chain's, on 1, 3, 7 CTAs and one per SM,
-// with the issue-order and staging knobs on 3, and with the rows gathered beforehand
-// (MOK_FUSED_GATHER=kernel), lag 1 and DOWN stored from registers on 5.
+// and with every tuning value that moves work between SMs or in time (none may change a bit): on
+// 3 CTAs, bands of 3 and of 8 row tiles in the plan, and none (the default for these small
+// weights is none too); the reduce helpers from the first task (GATE_UP gathered by 2 warps
+// throughout) or only past the last GATE_UP task (without a shared expert: tokens in token order
+// after every DOWN tile; by default, without a shared expert, the helpers start at 85% of the
+// expert stages, in the layout's reduce order); the shared expert's token tiles one per band
+// (default 8); and on 5 CTAs the plan's smallest lag, 1.
 static void fused_case(fwd_problem_t *p, const char *what) {
-  fwd_gpu_t g;
+  test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, p));
   fwd_gpu_inputs(&g, p);
+  mok_tuning_t base;
+  MOK_REQUIRE(mok_layer_tuning(g.l, &base) == MOK_SUCCESS);
+  base.forward_path = MOK_FORWARD_FUSED;
   std::vector<uint16_t> y0, y;
   std::vector<uint8_t> c0, c;
-  run_path(&g, p, "chain", NULL, &y0, &c0, what);
-  const char *sms[4] = {NULL, "1", "3", "7"};
+  mok_tuning_t t = base;
+  t.forward_path = MOK_FORWARD_CHAIN;
+  run_tuned(&g, p, &t, &y0, &c0, what);
+  const int sms[4] = {0, 1, 3, 7};
   for (int i = 0; i < 4; i++) {
-    run_path(&g, p, "fused", sms[i], &y, &c, what);
+    t = base;
+    t.forward_sms = sms[i];
+    run_tuned(&g, p, &t, &y, &c, what);
     int64_t bad = 0, first = -1;
     for (size_t j = 0; j < y.size(); j++)
       if (y[j] != y0[j]) bad++, first = first < 0 ? (int64_t)j : first;
-    MOK_EXPECT_MSG(bad == 0, "%s: fused on %s CTAs: %lld of %zu y elements differ from the chain "
-                   "(first at %lld: %04x vs %04x)", what, sms[i] ? sms[i] : "all", (long long)bad,
+    MOK_EXPECT_MSG(bad == 0, "%s: fused on %d CTAs (0: all): %lld of %zu y elements differ from "
+                   "the chain (first at %lld: %04x vs %04x)", what, sms[i], (long long)bad,
                    y.size(), (long long)first, first >= 0 ? y[first] : 0, first >= 0 ? y0[first] : 0);
-    MOK_EXPECT_MSG(c == c0, "%s: fused on %s CTAs: the saved context differs from the chain's",
-                   what, sms[i] ? sms[i] : "all");
+    MOK_EXPECT_MSG(c == c0, "%s: fused on %d CTAs (0: all): the saved context differs from the "
+                   "chain's", what, sms[i]);
   }
-  // Knobs that must not change a bit, on 3 CTAs: the consumer warpgroups issuing in turns with a,
-  // g and u stored from registers and bands of 3 row tiles in the plan; g and u staged but a from
-  // registers, with bands of 8; a GATE_UP tile's release at the end of its epilogue; the reduce
-  // helpers from the first task (GATE_UP gathered by 2 warps throughout), or only past the last
-  // GATE_UP task (without a shared expert: tokens in token order after every DOWN tile), or
-  // from the first task in token order. (By default all three are staged, the release waits
-  // under the next tile, these small weights give no bands, and without a shared expert the
-  // helpers start at 85% of the expert stages, in the layout's reduce order.)
-  const char *knobs[6][4] = {
-      {"MOK_FUSED_ORDER=1", "MOK_FUSED_GU_STAGED=0", "MOK_TILE_GROUP=3", NULL},
-      {"MOK_FUSED_A_STAGED=0", "MOK_TILE_GROUP=8", NULL, NULL},
-      {"MOK_FUSED_DEFER=0", NULL, NULL, NULL},
-      {"MOK_FUSED_HELP_AT=0", NULL, NULL, NULL},
-      {"MOK_FUSED_HELP_AT=100", NULL, NULL, NULL},
-      {"MOK_FUSED_HELP_AT=0", "MOK_FUSED_REDUCE_ORDER=0", NULL, NULL}};
-  for (int v = 0; v < 6; v++) {
-    char names[3][32];
-    for (int k = 0; knobs[v][k]; k++) {
-      snprintf(names[k], sizeof(names[k]), "%s", knobs[v][k]);
-      *strchr(names[k], '=') = 0;
-      setenv(names[k], strchr(knobs[v][k], '=') + 1, 1);
-    }
-    run_path(&g, p, "fused", "3", &y, &c, what);
-    for (int k = 0; knobs[v][k]; k++) unsetenv(names[k]);
-    MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with %s, %s, %s differs from the chain", what,
-                   knobs[v][0], knobs[v][1] ? knobs[v][1] : "-", knobs[v][2] ? knobs[v][2] : "-");
+  enum { VARIANTS = 7 };
+  mok_tuning_t v[VARIANTS];
+  for (int i = 0; i < VARIANTS; i++) v[i] = base, v[i].forward_sms = 3;
+  v[0].tile_group_m = 3;
+  v[1].tile_group_m = 8;
+  v[2].tile_group_m = -1;
+  v[3].fused_help_pct = 0;
+  v[4].fused_help_pct = 100;
+  v[5].fused_shared_band = 1;
+  v[6].fused_lag = 1, v[6].forward_sms = 5;
+  for (int i = 0; i < VARIANTS; i++) {
+    run_tuned(&g, p, &v[i], &y, &c, what);
+    char how[160];
+    MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with %s differs from the chain", what,
+                   tuning_name(&v[i], how, sizeof(how)));
   }
-  setenv("MOK_FUSED_GATHER", "kernel", 1);  // GATE_UP reads rows gathered by the chain's kernel
-  setenv("MOK_FUSED_LAG", "1", 1);           // the plan's smallest lag
-  setenv("MOK_FUSED_STAGED", "0", 1);        // DOWN stored from registers
-  run_path(&g, p, "fused", "5", &y, &c, what);
-  unsetenv("MOK_FUSED_GATHER");
-  unsetenv("MOK_FUSED_LAG");
-  unsetenv("MOK_FUSED_STAGED");
-  MOK_EXPECT_MSG(y == y0 && c == c0, "%s: fused with pre-gathered rows differs from the chain", what);
-  fwd_gpu_close(&g);
+  test_gpu_layer_close(&g);
 }
 
 MOK_TEST(fwd_gpu_fused_equals_chain_bitwise) {
   NEED_GPU();
   struct {
     int64_t H, I, E, K, Is, T;
-    route_t r;
+    test_route_t r;
     mok_context_mode_t mode;
     const char *what;
   } cases[] = {
@@ -671,4 +666,29 @@ MOK_TEST(fwd_fused_launcher_rejects_bad_arguments) {
   p = base; p.l.x = buf + 8;     MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.a = buf + 4;       MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.l.T = 0;           MOK_EXPECT(mok_fwd_fused_launch(&p, NULL) == MOK_SUCCESS);
+}
+
+// E = MOK_MAX_EXPERTS local experts: the (E + 1) row-tile prefix sums leave no room in shared
+// memory for the staging buffers (they fit up to about E = 480), so the fused kernel stores
+// DOWN's yk and GATE_UP's a, g and u from registers, the path no tuning value selects. Against
+// the CPU layer (tolerance: forward_test_util.cuh) and bitwise against the kernel chain on every
+// CTA count and tuning of fused_case. Most experts get no row: about 2200 rows over 1024.
+// (Named to run last in this file: the random streams of the tests before it stay the same.)
+MOK_TEST(fwd_gpu_with_1024_experts_stores_from_registers) {
+  NEED_GPU();
+  struct {
+    int64_t H, I, K, Is, T;
+    const char *what;
+  } cases[] = {{256, 128, 8, 0, 300, "E = 1024, K = 8, no shared expert"},
+               {128, 256, 4, 128, 600, "E = 1024, K = 4, H = 128 (half a DOWN tile), Is = 128"}};
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    fwd_problem_t p;
+    fwd_problem_init(&p, cases[i].H, cases[i].I, MOK_MAX_EXPERTS, cases[i].K, cases[i].Is,
+                     cases[i].T, cases[i].T);
+    test_gpu_layer_t g;
+    MOK_REQUIRE(fwd_gpu_open(&g, &p));
+    fwd_check_against_cpu(&g, &p, cases[i].what);
+    test_gpu_layer_close(&g);
+    fused_case(&p, cases[i].what);
+  }
 }

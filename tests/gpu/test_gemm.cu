@@ -100,7 +100,7 @@ MOK_TEST(gemm_launcher_rejects_bad_arguments) {
 
 // Runs one epilogue on `pr` and checks it against fp64 sums on the host. Returns failures seen.
 static void check_small(const problem_t &pr, mok_gg_epilogue_t epi, int offsets_int64,
-                        int with_gu = 1, int nmajor = 0) {
+                        int with_gu = 1, int nmajor = 0, int group_m = 0) {
   const int G = pr.G, M = pr.M, N = pr.N, K = pr.K;
   const int swiglu = epi == MOK_GG_EPI_SWIGLU;
   std::vector<uint16_t> a((size_t)M * K), b((size_t)G * N * K), b2(swiglu ? (size_t)G * N * K : 1);
@@ -137,6 +137,7 @@ static void check_small(const problem_t &pr, mok_gg_epilogue_t epi, int offsets_
   p.g_out = swiglu && with_gu ? dg : NULL;
   p.u_out = swiglu && with_gu ? du : NULL;
   p.num_sms = 7;  // few CTAs: each walks many tiles and groups
+  p.group_m = group_m;
   mokResult_t res = mok_grouped_gemm_launch(&p, NULL);
   cudaError_t err = cudaDeviceSynchronize();
   MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "launch %d, cuda %s", (int)res,
@@ -201,11 +202,17 @@ static void check_small(const problem_t &pr, mok_gg_epilogue_t epi, int offsets_
                       r, n, g, got, ref);
     }
   }
-  MOK_EXPECT_MSG(bad == 0, "epilogue %d (MOK_GG_TMA_STORE=%s MOK_GG_CLUSTER=%s): %d bad elements, worst error %g",
-                 (int)epi, getenv("MOK_GG_TMA_STORE") ? getenv("MOK_GG_TMA_STORE") : "-",
-                 getenv("MOK_GG_CLUSTER") ? getenv("MOK_GG_CLUSTER") : "-", bad, worst);
+  MOK_EXPECT_MSG(bad == 0, "epilogue %d (group_m %d): %d bad elements, worst error %g", (int)epi,
+                 group_m, bad, worst);
   cudaFree(da); cudaFree(db); cudaFree(db2); cudaFree(dw); cudaFree(dinit); cudaFree(doffs);
   cudaFree(dc); cudaFree(dg); cudaFree(du);
+}
+
+// check_small with each of gemm_group_ms.
+static void check_small_bands(const problem_t &pr, mok_gg_epilogue_t epi, int offsets_int64,
+                              int with_gu = 1, int nmajor = 0) {
+  for (int i = 0; i < GEMM_GROUP_MS; i++)
+    check_small(pr, epi, offsets_int64, with_gu, nmajor, gemm_group_ms[i]);
 }
 
 // Groups of 0, 1, 127, 128, 129, 300 rows, an empty last group, rows before and after the groups;
@@ -213,39 +220,40 @@ static void check_small(const problem_t &pr, mok_gg_epilogue_t epi, int offsets_
 static problem_t ragged_small(void) { return make_problem(384, 200, {0, 1, 127, 128, 129, 0, 300, 0}, 5, 37); }
 
 MOK_TEST(gemm_bf16_store_bf16_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
-  FOR_BOTH_STORE_MODES(check_small(ragged_small(), MOK_GG_EPI_STORE_BF16, 0));
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  check_small_bands(ragged_small(), MOK_GG_EPI_STORE_BF16, 0);
 }
 MOK_TEST(gemm_bf16_store_bf16_int64_offsets) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
-  FOR_BOTH_STORE_MODES(check_small(make_problem(256, 64, {64, 0, 200}, 0, 0), MOK_GG_EPI_STORE_BF16, 1));
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  check_small_bands(make_problem(256, 64, {64, 0, 200}, 0, 0), MOK_GG_EPI_STORE_BF16, 1);
 }
 MOK_TEST(gemm_bf16_store_f32_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
-  FOR_BOTH_STORE_MODES(check_small(ragged_small(), MOK_GG_EPI_STORE_F32, 0));
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  check_small_bands(ragged_small(), MOK_GG_EPI_STORE_F32, 0);
 }
 MOK_TEST(gemm_bf16_accum_f32_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
-  FOR_BOTH_STORE_MODES(check_small(ragged_small(), MOK_GG_EPI_ACCUM_F32, 1));
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  check_small_bands(ragged_small(), MOK_GG_EPI_ACCUM_F32, 1);
 }
 MOK_TEST(gemm_bf16_swiglu_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
-  FOR_BOTH_STORE_MODES(check_small(make_problem(256, 192, {0, 3, 200, 128, 0, 77}, 9, 20), MOK_GG_EPI_SWIGLU, 0));
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  check_small_bands(make_problem(256, 192, {0, 3, 200, 128, 0, 77}, 9, 20), MOK_GG_EPI_SWIGLU, 0);
 }
 MOK_TEST(gemm_bf16_swiglu_without_gu_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
-  FOR_BOTH_STORE_MODES(check_small(make_problem(384, 128, {0, 3, 200, 128, 0, 77, 64}, 9, 20), MOK_GG_EPI_SWIGLU, 1, 0));
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  check_small_bands(make_problem(384, 128, {0, 3, 200, 128, 0, 77, 64}, 9, 20), MOK_GG_EPI_SWIGLU,
+                    1, 0);
 }
 MOK_TEST(gemm_bf16_nmajor_b_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   problem_t pr = make_problem(384, 192, {0, 1, 127, 128, 129, 0, 300, 0}, 5, 37);
-  FOR_BOTH_STORE_MODES(check_small(pr, MOK_GG_EPI_STORE_BF16, 0, 1, 1));
-  FOR_BOTH_STORE_MODES(check_small(pr, MOK_GG_EPI_STORE_F32, 0, 1, 1));
-  FOR_BOTH_STORE_MODES(check_small(pr, MOK_GG_EPI_ACCUM_F32, 1, 1, 1));
+  check_small_bands(pr, MOK_GG_EPI_STORE_BF16, 0, 1, 1);
+  check_small_bands(pr, MOK_GG_EPI_STORE_F32, 0, 1, 1);
+  check_small_bands(pr, MOK_GG_EPI_ACCUM_F32, 1, 1, 1);
 }
 
 MOK_TEST(gemm_bf16_all_groups_empty) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(make_problem(128, 64, {0, 0, 0}, 10, 50), MOK_GG_EPI_STORE_BF16, 0);
 }
 
@@ -271,7 +279,7 @@ static int cublas_grouped(cublasHandle_t h, const problem_t &pr, const uint16_t 
 }
 
 MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   // 16 experts, skewed: one takes ~40% of the rows, some are empty, sizes not multiples of 128.
   problem_t pr = make_problem(1536, 2048, {5000, 0, 17, 1000, 2048, 513, 128, 255, 0, 1, 700,
                                            1300, 64, 999, 333, 1},
@@ -307,9 +315,9 @@ MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
   cudaMemcpy(ref.data(), dref, ref.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(refu.data(), drefu, refu.size() * 4, cudaMemcpyDeviceToHost);
 
-  for (int epi_i = 0; epi_i < 2 * GEMM_MODES; epi_i++) {
-    const int swiglu = epi_i & 1;
-    set_gemm_mode(epi_i / 2);
+  for (int epi_i = 0; epi_i < 2 * GEMM_GROUP_MS; epi_i++) {
+    const int swiglu = epi_i & 1, group_m = gemm_group_ms[epi_i / 2];
+    p.group_m = group_m;
     p.epilogue = swiglu ? MOK_GG_EPI_SWIGLU : MOK_GG_EPI_STORE_BF16;
     p.b2 = swiglu ? du : NULL;
     p.row_scale = swiglu ? dw : NULL;
@@ -317,13 +325,13 @@ MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
     char msg[128];
     MOK_REQUIRE_MSG(gemm_run_twice(&p, dc, dc2, c, c2, msg, sizeof(msg)) == 0, "%s", msg);
     MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), c.size() * 2) == 0,
-                   "epilogue %d (%s): two runs differ bitwise", (int)p.epilogue,
-                   gemm_mode_name(epi_i / 2));
-    if (epi_i >= 2) {  // every configuration gives the same bits (same K order, same roundings)
+                   "epilogue %d (group_m %d): two runs differ bitwise", (int)p.epilogue,
+                   group_m);
+    if (epi_i >= 2) {  // every tile order gives the same bits (same K order, same roundings)
       MOK_EXPECT_MSG(memcmp(c.data(), swiglu ? first_swiglu.data() : first_plain.data(),
                             c.size() * 2) == 0,
-                     "epilogue %d: %s differs bitwise from staged+cluster", (int)p.epilogue,
-                     gemm_mode_name(epi_i / 2));
+                     "epilogue %d: group_m %d differs bitwise from group_m %d", (int)p.epilogue,
+                     group_m, gemm_group_ms[0]);
     } else {
       (swiglu ? first_swiglu : first_plain) = c;
     }
@@ -350,11 +358,11 @@ MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
                         row, n, bf2f(c[i]), rv);
       }
     }
-    printf("    epilogue %d (%s stores) vs cuBLAS: worst |err| %.3g, relative L2 %.3g\n",
-           (int)p.epilogue, gemm_mode_name(epi_i / 2), worst, sqrt(sum_e2 / (sum_r2 + 1e-30)));
-    MOK_EXPECT_MSG(bad == 0, "epilogue %d: %d bad elements", (int)p.epilogue, bad);
+    printf("    epilogue %d (group_m %d) vs cuBLAS: worst |err| %.3g, relative L2 %.3g\n",
+           (int)p.epilogue, group_m, worst, sqrt(sum_e2 / (sum_r2 + 1e-30)));
+    MOK_EXPECT_MSG(bad == 0, "epilogue %d (group_m %d): %d bad elements", (int)p.epilogue,
+                   group_m, bad);
   }
-  clear_gemm_mode();
   cublasDestroy(h);
   cudaFree(da); cudaFree(db); cudaFree(du); cudaFree(doffs); cudaFree(dw);
   cudaFree(dref); cudaFree(drefu); cudaFree(dc); cudaFree(dc2);
@@ -362,7 +370,7 @@ MOK_TEST(gemm_bf16_large_matches_cublas_and_is_deterministic) {
 
 // B N-major ([G, K, N], what backward reads: dy·Wd with Wd [E, H, I]) against cuBLAS.
 MOK_TEST(gemm_bf16_nmajor_large_matches_cublas) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   problem_t pr = make_problem(1280, 1536, {3000, 0, 17, 1000, 2048, 513, 128, 255, 1}, 7, 50);
   const int M = pr.M, N = pr.N, K = pr.K, G = pr.G;
   std::vector<uint16_t> a((size_t)M * K), b((size_t)G * K * N);  // b [G, K, N]
@@ -394,13 +402,16 @@ MOK_TEST(gemm_bf16_nmajor_large_matches_cublas) {
   mok_grouped_gemm_params_t p =
       gemm_params(MOK_GG_BF16, MOK_GG_EPI_STORE_BF16, G, M, N, K, da, db, doffs, NULL);
   p.b_layout = MOK_GG_B_NMAJOR;
-  std::vector<uint16_t> c((size_t)M * N), c2((size_t)M * N);
-  for (int mode = 1; mode < GEMM_MODES; mode++) {  // no clusters with N-major B
-    set_gemm_mode(mode);
+  std::vector<uint16_t> c((size_t)M * N), c2((size_t)M * N), first;
+  for (int gi = 0; gi < GEMM_GROUP_MS; gi++) {
+    p.group_m = gemm_group_ms[gi];
     char msg[128];
     MOK_REQUIRE_MSG(gemm_run_twice(&p, dc, dc2, c, c2, msg, sizeof(msg)) == 0, "%s", msg);
-    MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), c.size() * 2) == 0, "%s: runs differ bitwise",
-                   gemm_mode_name(mode));
+    MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), c.size() * 2) == 0,
+                   "group_m %d: runs differ bitwise", p.group_m);
+    if (gi == 0) first = c;  // every tile order gives the same bits
+    MOK_EXPECT_MSG(c == first, "group_m %d differs bitwise from group_m %d", p.group_m,
+                   gemm_group_ms[0]);
     int bad = 0;
     double worst = 0;
     for (int row = 0; row < M; row++) {
@@ -419,10 +430,9 @@ MOK_TEST(gemm_bf16_nmajor_large_matches_cublas) {
                         ref[i]);
       }
     }
-    printf("    N-major B (%s) vs cuBLAS: worst |err| %.3g\n", gemm_mode_name(mode), worst);
-    MOK_EXPECT_MSG(bad == 0, "%s: %d bad elements", gemm_mode_name(mode), bad);
+    printf("    N-major B (group_m %d) vs cuBLAS: worst |err| %.3g\n", p.group_m, worst);
+    MOK_EXPECT_MSG(bad == 0, "group_m %d: %d bad elements", p.group_m, bad);
   }
-  clear_gemm_mode();
   cublasDestroy(h);
   cudaFree(da); cudaFree(db); cudaFree(doffs); cudaFree(dref); cudaFree(dc); cudaFree(dc2);
 }

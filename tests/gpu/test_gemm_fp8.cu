@@ -24,10 +24,7 @@ static double e4m3_to_double(uint8_t v) {  // OCP E4M3 (fn): bias 7, no infiniti
   return sign ? -mag : mag;
 }
 static uint8_t rnd_e4m3(void) {  // any finite e4m3 value
-  g_rng ^= g_rng << 13;
-  g_rng ^= g_rng >> 7;
-  g_rng ^= g_rng << 17;
-  uint8_t v = (uint8_t)(g_rng >> 32);
+  uint8_t v = (uint8_t)test_rng_u32(&g_rng);
   if ((v & 0x7F) == 0x7F) v ^= 1;  // NaN -> 448 or -448 neighbour
   return v;
 }
@@ -38,7 +35,7 @@ static uint8_t rnd_e4m3(void) {  // any finite e4m3 value
 // running sums of ~sqrt(128) terms that is ~2^-14 · 128 |t| per block, ~1e-3 of the terms' L2
 // norm over K = 512. Hence atol = 2^-8 · sqrt(Σ term²). Measured on an H200: worst 1.5e-3 (fp32
 // output) and 1.8e-3 (accumulate); a wrong scale or operand tile gives errors of order 0.1-1.
-static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
+static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi, int group_m = 0) {
   const int G = pr.G, M = pr.M, N = pr.N, K = pr.K, KB = K / 128, NB = N / 128;
   std::vector<uint8_t> a((size_t)M * K), b((size_t)G * N * K);
   std::vector<float> sa((size_t)M * KB), sb((size_t)G * NB * KB);
@@ -68,6 +65,7 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
   p.a_scale = dsa;
   p.b_scale = dsb;
   p.num_sms = 5;
+  p.group_m = group_m;
   std::vector<uint8_t> c(cbytes), c2(cbytes);
   mokResult_t res = mok_grouped_gemm_launch(&p, NULL);
   cudaError_t err = cudaDeviceSynchronize();
@@ -90,8 +88,8 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
       MOK_REQUIRE(mok_grouped_gemm_launch(&q, NULL) == MOK_SUCCESS);
       MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
       cudaMemcpy(c2.data(), dc, cbytes, cudaMemcpyDeviceToHost);
-      MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), cbytes) == 0, "fp8 epilogue %d: %s differs",
-                     (int)epi, what[v]);
+      MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), cbytes) == 0,
+                     "fp8 epilogue %d (group_m %d): %s differs", (int)epi, group_m, what[v]);
     }
   } else {
     // accumulating: the K-block-major scales add the same bits to the same initial values
@@ -103,7 +101,7 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
     MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     cudaMemcpy(c2.data(), dc, cbytes, cudaMemcpyDeviceToHost);
     MOK_EXPECT_MSG(memcmp(c.data(), c2.data(), cbytes) == 0,
-                   "fp8 accumulate: K-block-major scales differ");
+                   "fp8 accumulate (group_m %d): K-block-major scales differ", group_m);
   }
   int bad = 0;
   double worst_rel = 0;
@@ -142,7 +140,8 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
   }
   printf("    fp8-block epilogue %d: worst |err| / sqrt(sum term^2) = %.3g\n", (int)epi,
          worst_rel);
-  MOK_EXPECT_MSG(bad == 0, "fp8 epilogue %d: %d bad elements", (int)epi, bad);
+  MOK_EXPECT_MSG(bad == 0, "fp8 epilogue %d (group_m %d): %d bad elements", (int)epi, group_m,
+                 bad);
   cudaFree(da); cudaFree(db); cudaFree(dsa); cudaFree(dsb); cudaFree(dinit); cudaFree(doffs);
   cudaFree(dc); cudaFree(dsa_t);
 }
@@ -150,7 +149,7 @@ static void check_fp8(const problem_t &pr, mok_gg_epilogue_t epi) {
 // The mainloop runs blocks in pairs, then a tail of one or two (tile/pipeline.cuh): K = 1, 2, 3 and
 // 5 blocks of 128 cover every tail, and one block alone.
 MOK_TEST(gemm_fp8_block_every_k_tail_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   const int ks[] = {128, 256, 384, 640};
   for (int i = 0; i < 4; i++) {
     problem_t pr = make_problem(256, ks[i], {0, 130, 1, 64}, 3, 5);
@@ -160,17 +159,15 @@ MOK_TEST(gemm_fp8_block_every_k_tail_matches_cpu) {
 }
 
 MOK_TEST(gemm_fp8_block_matches_cpu) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   problem_t pr = make_problem(384, 512, {0, 1, 127, 128, 129, 0, 300, 64}, 5, 37);
   check_fp8(pr, MOK_GG_EPI_STORE_BF16);
   check_fp8(pr, MOK_GG_EPI_STORE_F32);
   check_fp8(pr, MOK_GG_EPI_ACCUM_F32);
   // tiles in bands of 2 row units: a warpgroup with no row in its group computes its rows anyway
   // (grouped_gemm.cu's gg_skip_rows), and stores none of them
-  setenv("MOK_TILE_GROUP", "2", 1);
-  check_fp8(pr, MOK_GG_EPI_STORE_BF16);
-  check_fp8(pr, MOK_GG_EPI_ACCUM_F32);
-  unsetenv("MOK_TILE_GROUP");
+  check_fp8(pr, MOK_GG_EPI_STORE_BF16, 2);
+  check_fp8(pr, MOK_GG_EPI_ACCUM_F32, 2);
   // fewer rows than a tile: the K-block-major scales are one TMA box narrower than a tile's
   problem_t small = make_problem(256, 256, {5, 0, 40}, 2, 3);
   check_fp8(small, MOK_GG_EPI_STORE_BF16);

@@ -5,8 +5,8 @@
  * Small shapes against a CPU reference written here (fp64 sums of the bf16 operands), a large one
  * against cuBLAS (cublasGemmEx per group, fp32 output); every epilogue; empty groups, a group of
  * one row, groups not a multiple of the 64-row block and groups over several blocks; bitwise
- * equality run to run, across grid sizes and between the direct and staged (TMA) bf16 stores; the
- * launcher's error codes (those run without a GPU).
+ * equality run to run and across grid sizes; the launcher's error codes (those run without a GPU).
+ * Stores (bf16, fp32) take the staged (TMA) kernel, accumulation the direct one.
  *
  * Rows outside every group (before offsets[0] and after offsets[G]) hold NaN in A and B: the last
  * block of the last group reads them, and they must add exactly zero (so must the next group's
@@ -185,11 +185,8 @@ static void check_small(const problem_t &pr, int offsets_int64) {
       } else {
         cudaMemset(dc[run], 0xFF, bytes);
       }
-      // few CTAs (each walks many tiles and groups), then one per SM; bf16: direct stores from
-      // registers, then the default staged (TMA) stores
-      setenv("MOK_GG_TMA_STORE", run ? "1" : "0", 1);
+      // few CTAs (each walks many tiles and groups), then one per SM
       mokResult_t res = run_wgrad(pr, epi, offsets_int64, da, db, doffs, dc[run], run ? 0 : 7);
-      unsetenv("MOK_GG_TMA_STORE");
       cudaError_t err = cudaDeviceSynchronize();
       MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "epi %d: launch %d, cuda %s",
                       (int)epi, (int)res, cudaGetErrorString(err));
@@ -200,8 +197,7 @@ static void check_small(const problem_t &pr, int offsets_int64) {
     cudaMemcpy(h0, dc[0], bytes, cudaMemcpyDeviceToHost);
     cudaMemcpy(h1, dc[1], bytes, cudaMemcpyDeviceToHost);
     MOK_EXPECT_MSG(memcmp(h0, h1, bytes) == 0,
-                   "epi %d: grids of 7 and all SMs (bf16: direct and staged stores) differ bitwise",
-                   (int)epi);
+                   "epi %d: grids of 7 and all SMs differ bitwise", (int)epi);
   }
 
   double worst_f32 = 0, worst_bf = 0;
@@ -248,31 +244,31 @@ static void check_small(const problem_t &pr, int offsets_int64) {
 static problem_t ragged5(int N, int K) { return make_problem(N, K, {100, 0, 1, 333, 64}, 3, 29); }
 
 MOK_TEST(gemm_wgrad_matches_cpu_n64_k384) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(ragged5(64, 384), 0);
 }
 MOK_TEST(gemm_wgrad_matches_cpu_n384_k64) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(ragged5(384, 64), 0);
 }
 MOK_TEST(gemm_wgrad_matches_cpu_n128_k256_int64_offsets) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(ragged5(128, 256), 1);
 }
 MOK_TEST(gemm_wgrad_matches_cpu_n256_k128) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(ragged5(256, 128), 0);
 }
 MOK_TEST(gemm_wgrad_matches_cpu_n384_k384_empty_first) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(make_problem(384, 384, {0, 65, 127, 0, 200}, 0, 0), 0);  // no rows outside
 }
 MOK_TEST(gemm_wgrad_tails_n72_k136) {  // N, K not multiples of the tile or of 64
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(make_problem(72, 136, {17, 0, 190, 1, 64}, 5, 11), 0);
 }
 MOK_TEST(gemm_wgrad_all_groups_empty) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   check_small(make_problem(128, 256, {0, 0, 0}, 10, 50), 0);
   check_small(make_problem(64, 64, {0, 0}, 0, 0), 0);  // M = 0: the store epilogues write zeros
 }
@@ -286,7 +282,7 @@ MOK_TEST(gemm_wgrad_all_groups_empty) {
 // small shapes with m up to 5000: the fp32 results differ only in summation order (fp32 atol
 // 1e-4 sqrt(m) scaled by the operands' scales, rtol 1e-5), bf16 adds one rounding (2^-7 |ref|).
 MOK_TEST(gemm_wgrad_large_matches_cublas_and_is_deterministic) {
-  if (!gpu_present()) MOK_SKIP("no CUDA device");
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
   problem_t pr = make_problem(2048, 768, {5000, 0, 17, 1000, 2048, 513, 128, 255, 0, 1, 700,
                                           1300, 64, 999, 333, 1},
                               3, 0);
@@ -323,8 +319,8 @@ MOK_TEST(gemm_wgrad_large_matches_cublas_and_is_deterministic) {
   }
   cublasDestroy(h);
 
-  // fp32 twice (all SMs, then 37 CTAs), bf16 staged (default) and direct, and accumulate onto
-  // the first fp32 result
+  // fp32 twice (all SMs, then 37 CTAs), bf16 twice (likewise; the second run below), and
+  // accumulate onto the first fp32 result
   cudaMemset(df, 0xFF, nc * 4);
   cudaMemset(df2, 0xFF, nc * 4);
   cudaMemset(dbf, 0xFF, nc * 2);
@@ -347,15 +343,12 @@ MOK_TEST(gemm_wgrad_large_matches_cublas_and_is_deterministic) {
   cudaMemcpy(bf.data(), dbf, nc * 2, cudaMemcpyDeviceToHost);
   MOK_EXPECT_MSG(memcmp(f.data(), f2.data(), nc * 4) == 0, "fp32: grids differ bitwise");
   cudaMemset(dbf, 0xFF, nc * 2);
-  setenv("MOK_GG_TMA_STORE", "0", 1);
-  mokResult_t r5 = run_wgrad(pr, MOK_GG_EPI_STORE_BF16, 0, da, db, doffs, dbf, 0);
-  unsetenv("MOK_GG_TMA_STORE");
+  mokResult_t r5 = run_wgrad(pr, MOK_GG_EPI_STORE_BF16, 0, da, db, doffs, dbf, 37);
   err = cudaDeviceSynchronize();
   MOK_REQUIRE_MSG(r5 == MOK_SUCCESS && err == cudaSuccess, "launch %d, cuda %s", (int)r5,
                   cudaGetErrorString(err));
   cudaMemcpy(bf2.data(), dbf, nc * 2, cudaMemcpyDeviceToHost);
-  MOK_EXPECT_MSG(memcmp(bf.data(), bf2.data(), nc * 2) == 0,
-                 "bf16: staged and direct stores differ bitwise");
+  MOK_EXPECT_MSG(memcmp(bf.data(), bf2.data(), nc * 2) == 0, "bf16: grids differ bitwise");
 
   int bad = 0;
   double worst_f = 0, worst_b = 0, e2 = 0, r2s = 0;

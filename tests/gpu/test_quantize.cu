@@ -26,6 +26,10 @@
 
 #include <vector>
 
+#include "../support/bf16.h"
+#include "../support/compare.h"
+#include "../support/gpu.h"
+#include "../support/rng.h"
 #include "../test.h"
 #include "cuda/forward/forward.h"
 #include "cuda/quant/quant.h"
@@ -43,57 +47,21 @@ extern "C" {
 /* Helpers                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
-#define QT_SKIP_WITHOUT_GPU()                                        \
-  do {                                                               \
-    int n_ = 0;                                                      \
-    if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) {         \
-      cudaGetLastError();                                            \
-      MOK_SKIP("no CUDA device");                                    \
-    }                                                                \
+#define QT_SKIP_WITHOUT_GPU()                              \
+  do {                                                     \
+    if (!test_gpu_present()) MOK_SKIP("no CUDA device");   \
   } while (0)
 
-static uint64_t qt_rng = 0x2545F4914F6CDD1Dull;
-static uint32_t qt_u32(void) {
-  qt_rng ^= qt_rng << 13;
-  qt_rng ^= qt_rng >> 7;
-  qt_rng ^= qt_rng << 17;
-  return (uint32_t)(qt_rng >> 32);
-}
-static float qt_unit(void) { return (float)((qt_u32() >> 8) * (1.0 / 8388608.0)) - 1.0f; }
-static uint32_t qt_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-static float qt_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-template <class T>
-static T *qt_dev(const std::vector<T> &h) {
-  T *d = NULL;
-  if (cudaMalloc(&d, h.size() * sizeof(T) + 16) != cudaSuccess) return NULL;
-  if (cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
-    cudaFree(d);
-    return NULL;
-  }
-  return d;
-}
+// This file's random stream: 32 random bits, or uniform in [-1, 1).
+static test_rng_t qt_rng = {0x2545F4914F6CDD1Dull, TEST_RNG_XORSHIFT64};
+static uint32_t qt_u32(void) { return test_rng_u32(&qt_rng); }
+static float qt_unit(void) { return test_rng_sym_f(&qt_rng); }
 
 template <class T>
 static bool qt_host(std::vector<T> &h, const T *d) {
   return cudaMemcpy(h.data(), d, h.size() * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess;
 }
 
-// Index of the first differing byte, or -1.
-static long long qt_first_diff(const void *a, const void *b, size_t n) {
-  const uint8_t *x = (const uint8_t *)a, *y = (const uint8_t *)b;
-  for (size_t i = 0; i < n; i++)
-    if (x[i] != y[i]) return (long long)i;
-  return -1;
-}
 
 static const mok_quant_scale_t qt_kinds[3] = {MOK_QUANT_FP32_SCALE, MOK_QUANT_POW2_SCALE,
                                               MOK_QUANT_E8M0_SCALE};
@@ -215,8 +183,8 @@ static std::vector<uint32_t> qt_encode_patterns(void) {
                          0x1p-126f, 0x1p-149f, 17.0f, 19.0f, 1.0625f, 1.1875f, 240.0f, 248.0f,
                          0x1.ep-7f, 0x1.fp-7f};
   for (float f : named) {
-    v.push_back(qt_bits(f));
-    v.push_back(qt_bits(-f));
+    v.push_back(f32_bits(f));
+    v.push_back(f32_bits(-f));
   }
   const uint32_t specials[] = {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00000u, 0x7F800001u,
                                0xFFBFFFFFu, 0x00000001u, 0x807FFFFFu};
@@ -229,7 +197,7 @@ MOK_TEST(quant_gpu_e4m3_matches_host) {
   QT_SKIP_WITHOUT_GPU();
   const std::vector<uint32_t> in = qt_encode_patterns();
   const int64_t n = (int64_t)in.size();
-  uint32_t *din = qt_dev(in), *ddec = NULL;
+  uint32_t *din = to_dev(in), *ddec = NULL;
   uint8_t *dout = NULL;
   cudaMalloc(&dout, (size_t)n);
   cudaMalloc(&ddec, 256 * 4);
@@ -242,16 +210,16 @@ MOK_TEST(quant_gpu_e4m3_matches_host) {
   MOK_REQUIRE(qt_host(out, dout) && qt_host(dec, ddec));
   int64_t bad = 0;
   for (int64_t i = 0; i < n; i++) {
-    const uint8_t want = mok_e4m3_from_float(qt_float(in[i]));
+    const uint8_t want = mok_e4m3_from_float(f32_of_bits(in[i]));
     if (out[i] != want && bad++ < 8)
-      MOK_EXPECT_MSG(0, "e4m3(0x%08x = %g): gpu 0x%02x, host 0x%02x", in[i], qt_float(in[i]),
+      MOK_EXPECT_MSG(0, "e4m3(0x%08x = %g): gpu 0x%02x, host 0x%02x", in[i], f32_of_bits(in[i]),
                      out[i], want);
   }
   MOK_EXPECT_MSG(bad == 0, "%lld of %lld encodings differ", (long long)bad, (long long)n);
   for (int c = 0; c < 256; c++)
-    MOK_EXPECT_MSG(dec[c] == qt_bits(mok_e4m3_to_float((uint8_t)c)),
+    MOK_EXPECT_MSG(dec[c] == f32_bits(mok_e4m3_to_float((uint8_t)c)),
                    "decode 0x%02x: gpu 0x%08x, host 0x%08x", c, dec[c],
-                   qt_bits(mok_e4m3_to_float((uint8_t)c)));
+                   f32_bits(mok_e4m3_to_float((uint8_t)c)));
   cudaFree(din);
   cudaFree(dout);
   cudaFree(ddec);
@@ -270,14 +238,14 @@ MOK_TEST(quant_gpu_block_scales_match_host) {
   for (int i = 0; i < 1 << 16; i++) amax.push_back(qt_u32() & 0x7FFFFFFFu);  // any |value|
   // v: a value of the block, |v| <= amax (any fraction of it, any sign), or random bits
   for (size_t i = 0; i < amax.size(); i++) {
-    const float a = qt_float(amax[i]);
+    const float a = f32_of_bits(amax[i]);
     const uint32_t r = qt_u32() % 4;
     const float small = ldexpf(fabsf(qt_unit()), -(int)(qt_u32() % 30));
     const float x = r == 0 ? a : r == 1 ? a * qt_unit() : r == 2 ? -a * small : 0.0f;
-    v.push_back(r == 3 ? qt_u32() : qt_bits(isfinite(x) ? x : 1.0f));
+    v.push_back(r == 3 ? qt_u32() : f32_bits(isfinite(x) ? x : 1.0f));
   }
   const int n = (int)amax.size();
-  uint32_t *da = qt_dev(amax), *dv = qt_dev(v), *ds = NULL;
+  uint32_t *da = to_dev(amax), *dv = to_dev(v), *ds = NULL;
   uint8_t *de = NULL, *dq = NULL;
   cudaMalloc(&ds, 3 * (size_t)n * 4);
   cudaMalloc(&de, 3 * (size_t)n);
@@ -291,18 +259,18 @@ MOK_TEST(quant_gpu_block_scales_match_host) {
   int bad = 0;
   for (int k = 0; k < 3; k++) {
     for (int i = 0; i < n; i++) {
-      const float a = qt_float(amax[i]);
+      const float a = f32_of_bits(amax[i]);
       uint8_t he = 0;
       // the host's amax of a non-finite block is NaN
       const float hs = mok_block_scale(isfinite(a) ? a : NAN, qt_kinds[k], &he);
-      const float x = qt_float(v[i]);
+      const float x = f32_of_bits(v[i]);
       const uint8_t hq = isnan(hs) ? 0x7F : mok_e4m3_from_float(x / hs);
       const size_t j = (size_t)k * n + i;
-      const bool ok = s[j] == qt_bits(hs) && q[j] == hq && (k == 0 || e[j] == he);
+      const bool ok = s[j] == f32_bits(hs) && q[j] == hq && (k == 0 || e[j] == he);
       if (!ok && bad++ < 8)
         MOK_EXPECT_MSG(0, "kind %d amax 0x%08x v 0x%08x: gpu s 0x%08x e8m0 %u q 0x%02x, host s "
                        "0x%08x e8m0 %u q 0x%02x", k, amax[i], v[i], s[j], e[j], q[j],
-                       qt_bits(hs), he, hq);
+                       f32_bits(hs), he, hq);
     }
   }
   MOK_EXPECT_MSG(bad == 0, "%d of %d scale checks differ", bad, 3 * n);
@@ -364,7 +332,7 @@ MOK_TEST(quant_gpu_warp_blocks_match_host) {
   QT_SKIP_WITHOUT_GPU();
   const int rows = 96, cols = 384;
   const std::vector<float> m = qt_fp32_matrix(rows, cols);
-  float *dm = qt_dev(m);
+  float *dm = to_dev(m);
   uint32_t *dq = NULL;
   void *ds = NULL;
   cudaMalloc(&dq, (size_t)rows * cols);
@@ -381,8 +349,8 @@ MOK_TEST(quant_gpu_warp_blocks_match_host) {
       MOK_REQUIRE(cudaMemcpy(s.data(), ds, sbytes, cudaMemcpyDeviceToHost) == cudaSuccess);
       MOK_REQUIRE(mok_quantize_host(m.data(), rows, cols, 1, bc, qt_kinds[k], hq.data(),
                                     hs.data()) == MOK_SUCCESS);
-      const long long dq_at = qt_first_diff(q.data(), hq.data(), q.size());
-      const long long ds_at = qt_first_diff(s.data(), hs.data(), sbytes);
+      const long long dq_at = (long long)test_first_diff(q.data(), hq.data(), q.size());
+      const long long ds_at = (long long)test_first_diff(s.data(), hs.data(), sbytes);
       MOK_EXPECT_MSG(dq_at < 0, "1x%d kind %d: q differs first at [%lld, %lld]: gpu 0x%02x, host "
                      "0x%02x", bc, k, dq_at / cols, dq_at % cols, q[dq_at < 0 ? 0 : dq_at],
                      hq[dq_at < 0 ? 0 : dq_at]);
@@ -400,22 +368,20 @@ MOK_TEST(quant_gpu_warp_blocks_match_host) {
 
 enum { QT_RANDOM_BITS = 0, QT_MAGNITUDES = 1, QT_SPECIALS = 2 };
 
-static uint16_t qt_bf16(float f) { return mok_bf16_from_float(f); }
-
 // One source element in the given mode; (r, c) are the stored copy's coordinates.
 static uint16_t qt_source_value(int mode, int64_t r, int64_t c, int p_row) {
   if (mode == QT_RANDOM_BITS) {  // any finite bf16: amax and the rest far apart, subnormals
     uint16_t b = (uint16_t)qt_u32();
     return (b & 0x7F80) == 0x7F80 ? (uint16_t)(b ^ 0x0080) : b;
   }
-  if (mode == QT_MAGNITUDES) return qt_bf16(ldexpf(qt_unit(), p_row + (int)(qt_u32() % 5) - 2));
+  if (mode == QT_MAGNITUDES) return f2bf(ldexpf(qt_unit(), p_row + (int)(qt_u32() % 5) - 2));
   // specials: a 448 every 16 positions along rows and columns fixes amax = 448 (scale 1 for every
   // kind) in blocks without a special, so the rounding ties land exactly on e4m3 ties
-  if ((r + c) % 16 == 0) return qt_bf16((r & 1) ? -448.0f : 448.0f);
+  if ((r + c) % 16 == 0) return f2bf((r & 1) ? -448.0f : 448.0f);
   const uint16_t ties[] = {
-      qt_bf16(17.0f),    qt_bf16(19.0f),    qt_bf16(-1.0625f), qt_bf16(1.1875f),
-      qt_bf16(0x1p-10f), qt_bf16(0x3p-10f), qt_bf16(-0x5p-10f), qt_bf16(232.0f),
-      qt_bf16(0x1.1p-6f), 0x8000 /* -0 */,  0x0000,            0x0001 /* bf16 subnormal */,
+      f2bf(17.0f),    f2bf(19.0f),    f2bf(-1.0625f), f2bf(1.1875f),
+      f2bf(0x1p-10f), f2bf(0x3p-10f), f2bf(-0x5p-10f), f2bf(232.0f),
+      f2bf(0x1.1p-6f), 0x8000 /* -0 */,  0x0000,            0x0001 /* bf16 subnormal */,
       0x8080 /* -2^-126 */};
   const uint32_t pick = qt_u32() % 1000;
   if (pick == 0) return 0x7FC0;                             // NaN
@@ -423,7 +389,7 @@ static uint16_t qt_source_value(int mode, int64_t r, int64_t c, int p_row) {
   if (pick == 2) return 0x7F80;                             // +Inf
   if (pick == 3) return 0xFF80;                             // -Inf
   if (pick == 4) return 0x7F7F;                             // largest bf16, ~3.39e38
-  if (pick < 300) return qt_bf16(ldexpf(qt_unit(), 8));     // ordinary values below 448
+  if (pick < 300) return f2bf(ldexpf(qt_unit(), 8));     // ordinary values below 448
   return ties[qt_u32() % (sizeof(ties) / sizeof(ties[0]))];
 }
 
@@ -464,7 +430,7 @@ static int qt_run_case(const qt_case_t &tc, mok_quant_scale_t kind, int mode) {
       return 0;
   }
   // device, outputs poisoned first so unwritten bytes show
-  uint16_t *dsrc = qt_dev(src);
+  uint16_t *dsrc = to_dev(src);
   uint8_t *dq = NULL, *ds = NULL;
   cudaMalloc(&dq, qn + 16);
   cudaMalloc(&ds, sn + 16);
@@ -500,8 +466,8 @@ static int qt_run_case(const qt_case_t &tc, mok_quant_scale_t kind, int mode) {
                    (long long)tc.rows, (long long)tc.cols, tc.br, tc.bc);
     return 0;
   }
-  const long long qd = qt_first_diff(gq.data(), hq.data(), qn);
-  const long long sd = qt_first_diff(gs.data(), hs.data(), sn);
+  const long long qd = (long long)test_first_diff(gq.data(), hq.data(), qn);
+  const long long sd = (long long)test_first_diff(gs.data(), hs.data(), sn);
   if (qd >= 0 || sd >= 0) {
     const long long mat = tc.rows * tc.cols;
     MOK_EXPECT_MSG(0, "count %lld rows %lld cols %lld block %dx%d transpose %d kind %d mode %d: "
@@ -548,7 +514,7 @@ MOK_TEST(quant_gpu_launch_matches_host) {
 // bf16 weights of one tensor: several magnitudes per expert, and a few special values.
 static std::vector<uint16_t> qt_weights(size_t n, int p) {
   std::vector<uint16_t> w(n);
-  for (size_t i = 0; i < n; i++) w[i] = qt_bf16(ldexpf(qt_unit(), p + (int)(i / 4096 % 7) - 3));
+  for (size_t i = 0; i < n; i++) w[i] = f2bf(ldexpf(qt_unit(), p + (int)(i / 4096 % 7) - 3));
   w[n / 3] = 0x7FC0;   // NaN: one 128x128 block (or 1x32 block) of the copy and its transpose
   w[n / 2] = 0xFF80;   // -Inf
   w[n / 5] = 0x7F7F;   // huge
@@ -584,7 +550,7 @@ static void qt_check_layer(mok_precision_t prec, mok_fp8_scale_t scale) {
                                 qt_weights(Is * H, 5),      qt_weights(H * Is, 100)};
   uint16_t *dw[6];
   for (int i = 0; i < 6; i++) {
-    dw[i] = qt_dev(h[i]);
+    dw[i] = to_dev(h[i]);
     MOK_REQUIRE(dw[i]);
   }
   mok_weights_t wh = {h[0].data(), h[1].data(), h[2].data(), h[3].data(),
@@ -608,7 +574,7 @@ static void qt_check_layer(mok_precision_t prec, mok_fp8_scale_t scale) {
 
   mok_qw_layout_t lay;
   mok_qw_layout(&d, (int64_t)EL, &lay);
-  const long long at = qt_first_diff(gbuf.data(), hbuf.data(), bytes);
+  const long long at = (long long)test_first_diff(gbuf.data(), hbuf.data(), bytes);
   if (at >= 0) {  // name the operand copy for the report
     int op = -1, in_scales = 0;
     for (int i = 0; i < MOK_QW_COUNT; i++) {

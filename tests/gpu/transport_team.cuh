@@ -14,10 +14,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <vector>
 
+#include "../support/bf16.h"
+#include "../support/rng.h"
+#include "../support/timer.h"
 #include "cuda/comm/comm.h"
 #include "cuda/forward/forward.h"
 #include "cuda/quant/quant.h"
@@ -31,25 +33,6 @@ enum { W = 2, SPLIT_PHASES = 8 };
 /* ---------------------------------------------------------------------------------------------- */
 /* Helpers                                                                                         */
 /* ---------------------------------------------------------------------------------------------- */
-
-static uint16_t f2bf(float f) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-static float bf2f(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
 // Why the two-GPU tests cannot run here, or NULL when they can.
 static const char *two_gpu_skip_reason(void) {
@@ -105,9 +88,9 @@ static void *step_thread(void *p) {
   cudaSetDevice(a->r->rank);
   a->r->res = MOK_SUCCESS;
   a->r->msg[0] = '\0';
-  const double t0 = now_s();
+  const double t0 = test_now_s();
   a->fn(a->r);
-  a->r->seconds = now_s() - t0;
+  a->r->seconds = test_now_s() - t0;
   return NULL;
 }
 
@@ -233,13 +216,9 @@ static uint16_t payload(int s, int64_t t, int64_t c) {
   return f2bf((float)((s * 131 + t * 7 + c * 3) % 61 - 30) / 8.0f);
 }
 
-static uint64_t g_rng = 0x2545F4914F6CDD1Dull;
-static uint32_t rnd(uint32_t n) {
-  g_rng ^= g_rng << 13;
-  g_rng ^= g_rng >> 7;
-  g_rng ^= g_rng << 17;
-  return (uint32_t)((g_rng >> 33) % n);
-}
+// This file's random stream: an integer in [0, n) from the top 31 bits of a draw.
+static test_rng_t g_rng = {0x2545F4914F6CDD1Dull, TEST_RNG_XORSHIFT64};
+static uint32_t rnd(uint32_t n) { return (uint32_t)((test_rng_u64(&g_rng) >> 33) % n); }
 
 typedef enum {
   ROUTE_RANDOM,     // distinct experts, ~1 in 6 slots empty, expert `empty` never used
