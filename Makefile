@@ -58,7 +58,7 @@ HOST_OBJS := $(HOST_SRCS:%.c=$(BUILD)/%.o)
 CUDA_OBJS := $(CUDA_SRCS:%.cu=$(BUILD)/%.o)
 TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o) $(GPU_TEST_SRCS:%.cu=$(BUILD)/%.o)
 HEADERS   := $(wildcard include/*.h src/*/*.h bench/driver/*.h src/cuda/*.cuh src/cuda/*/*.h src/cuda/*/*.cuh \
-               tests/*.h tests/gpu/*.h tests/gpu/*.cuh)
+               tests/*.h tests/support/*.h tests/gpu/*.h tests/gpu/*.cuh)
 
 .PHONY: all test run bench fuzz clean check-spills nccl-info
 all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/libmok_bench.so $(BUILD)/mok_tests $(BUILD)/mok_run

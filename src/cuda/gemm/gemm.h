@@ -71,7 +71,8 @@ typedef struct {
                                 (>= m_total, a multiple of 4; a_scale 16-byte aligned): each K
                                 block's row scales are then contiguous, and the kernel loads a
                                 tile's with the tile's operands (faster) */
-  int group_m; /* row tiles per band of the tile order: 0 = by B's size against the L2 (the default), -1 = none, n > 0 = n */
+  int group_m;               /* row tiles per band of the tile order: 0 = by B's size against
+                                the L2 (mok_tile_group_m; the default), -1 = none, n > 0 = n */
 } mok_grouped_gemm_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,
