@@ -15,6 +15,7 @@ np = pytest.importorskip("numpy")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 import mok  # noqa: E402
 from mok import _check  # noqa: E402
+from checks_util import raises  # noqa: E402
 
 H, I, E, K, IS, T, T_MAX = 128, 128, 4, 2, 128, 6, 8
 
@@ -52,16 +53,6 @@ def backward(layer, p, **bad):
     ctx = forward(layer, {k: v for k, v in a.items() if k != "ctx"})
     layer.backward(a["x"], a["topk_idx"], a["topk_w"], a["w"], a.get("ctx", ctx), a["dy"],
                    a["grads"])
-
-
-@contextlib.contextmanager
-def raises(code, *words):
-    """Asserts that the block raises MokError with `code`, its message holding each of `words`."""
-    with pytest.raises(mok.MokError) as info:
-        yield info
-    assert info.value.code == code, f"code {info.value.code}, expected {code}: {info.value}"
-    for word in words:
-        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
 
 
 def test_good_problem_runs(layer):

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python")
 import mok  # noqa: E402
 from mok import _check  # noqa: E402
 from mok.moe import MoE  # noqa: E402
+from checks_util import raises  # noqa: E402
 
 H, I, E, K, IS, T, T_MAX = 128, 128, 4, 2, 128, 6, 8
 IDX = [[0, 1], [2, -1], [3, 0], [1, 2], [0, 3], [-1, 2]]
@@ -44,16 +45,6 @@ def run(moe, x, idx, tw, dy):
 
 def same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
-@contextlib.contextmanager
-def raises(code, *words):
-    """Asserts that the block raises MokError with `code`, its message holding each of `words`."""
-    with pytest.raises(mok.MokError) as info:
-        yield info
-    assert info.value.code == code, f"code {info.value.code}, expected {code}: {info.value}"
-    for word in words:
-        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
 
 
 @pytest.fixture(scope="module")

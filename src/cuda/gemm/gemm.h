@@ -107,7 +107,7 @@ static inline mok_grouped_gemm_params_t mok_gg_bf16_params(mok_gg_epilogue_t epi
   return p;
 }
 
-/* Weight-gradient ("k-grouped") GEMM, src/cuda/grouped_wgrad.cu: the groups split the reduction.
+/* Weight-gradient ("k-grouped") GEMM, src/cuda/gemm/grouped_wgrad.cu: the groups split the reduction.
  *   C[g] [N, K] = epilogue( A_gᵀ · B_g ) = epilogue( Σ_{r in group g} A[r]ᵀ ⊗ B[r] )
  * for every group g, rows of g = [offsets[g], offsets[g+1]) of A and B (offsets in device memory,
  * as above, never read by the host). Example: dWd[e] [H, I] = dy_gᵀ · a_g (a = dy [R, H],
