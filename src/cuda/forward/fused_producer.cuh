@@ -19,9 +19,9 @@
 // after those reads. mbarrier.arrive has release and try_wait acquire semantics at CTA scope
 // (PTX ISA, "mbarrier"), so each write happens before the reads of the same phase and each read
 // before the next phase's write. racecheck orders shared-memory accesses only by bar.sync /
-// __syncthreads, not by mbarriers: on a small fused forward (build/mok_tests
-// fwd_gpu_matches_cpu_small) every hazard it reports is a pair of this write and those reads
-// (13 reports, nothing else; synccheck and initcheck report nothing).
+// __syncthreads, not by mbarriers: on the small fused forward and backward tests (build/mok_tests
+// fwd_gpu_matches_cpu_small, bwd_gpu_matches_cpu_small) every hazard it reports in this kernel
+// is a pair of this write and those reads; synccheck and initcheck report nothing.
 __device__ __forceinline__ void fk_tag(volatile int64_t *s_tag, volatile int4 *s_task, int stage,
                                        int64_t tag, const mok_task_t &t) {
   s_tag[stage] = tag;

@@ -112,14 +112,21 @@ __device__ __forceinline__ const int4 *gg_tags(const uint8_t *smem_raw, const ui
 // Consumer: waits for the stage at the ring's position and reads the tile posted with it (the
 // stage is not consumed); 0 at the end.
 // NOTE: a wait that times out reads as the end instead of trapping as ptx_mbar_wait does: with a
-// trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; docs/performance.md, "ptxas: registers, traps and spills"). A
-// producer that never posts is itself stuck in a bounded wait, which traps.
+// trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; docs/performance.md,
+// "ptxas: registers, traps and spills"). A producer that never posts is itself stuck in a
+// bounded wait, which traps.
+// NOTE (racecheck): the tag is written (tp_post_tag) before the producer's mbarrier.arrive on the
+// stage's full barrier and read here after the wait on it succeeded, which orders the two
+// (release / acquire at CTA scope), as in the fused forward's fk_tag; compute-sanitizer's
+// racecheck, which orders shared memory only by bar.sync, reports the pair as a hazard (the
+// backward chain's GEMMs: its only reports in this kernel).
 __device__ __forceinline__ int gg_peek(const tp_ring_t *ring, uint64_t *full, const int4 *tags,
                                        gg_tile_t *t) {
   if (!ptx_mbar_wait_bounded_at(ptx_smem_addr(&full[ring->stage]), ring->phase)) return 0;
   // NOTE: a plain load (the wait's asm is a compiler barrier for memory). Through a volatile
   // pointer, ptxas treated the rest of the loop as divergent and moved the wgmma descriptors into
-  // uniform registers before every wgmma (SASS of the first version; docs/performance.md, "ptxas: registers, traps and spills").
+  // uniform registers before every wgmma (SASS of the first version; docs/performance.md,
+  // "ptxas: registers, traps and spills").
   const int4 v = tags[ring->stage];
   t->group = v.x;
   t->row0 = v.y;
