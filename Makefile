@@ -116,11 +116,17 @@ test: $(BUILD)/mok_tests check-spills
 	else echo "SKIP python binding tests: numpy or pytest not installed (pip install numpy pytest)"; fi
 	$(BUILD)/mok_tests $(TESTS)
 
-# The hardening campaign on a GPU machine (tests/gpu/test_fuzz.cu): 1,000 random layers against
-# the CPU layer, then 10,000 forward + backward calls on one layer (no error, device memory flat).
-# `make test` runs both at small counts.
+# The hardening campaign on a GPU machine (tests/gpu/test_fuzz.cu): FUZZ_CASES random layers
+# against the CPU layer, split over FUZZ_JOBS processes with seeds 1..FUZZ_JOBS (the CPU reference
+# is the slow side: about 1 s a case), then 10,000 forward + backward calls on one layer (no
+# error, device memory flat). `make test` runs both at small counts.
+FUZZ_CASES ?= 1000
+FUZZ_JOBS  ?= 8
 fuzz: $(BUILD)/mok_tests
-	MOK_FUZZ_CASES=1000 MOK_FUZZ_SEED=1 $(BUILD)/mok_tests fuzz_gpu_layers_match_cpu
+	@seq 1 $(FUZZ_JOBS) | xargs -P $(FUZZ_JOBS) -I{} sh -c \
+	  'MOK_FUZZ_CASES=$$(( ($(FUZZ_CASES) + $(FUZZ_JOBS) - 1) / $(FUZZ_JOBS) )) MOK_FUZZ_SEED={} \
+	   $(BUILD)/mok_tests fuzz_gpu_layers_match_cpu > $(BUILD)/fuzz_{}.log 2>&1; rc=$$?; \
+	   grep -E "random layers|FAIL" $(BUILD)/fuzz_{}.log; exit $$rc'
 	MOK_SOAK_CALLS=10000 $(BUILD)/mok_tests fuzz_gpu_soak
 
 run: $(BUILD)/mok_run
