@@ -6,6 +6,8 @@
 #ifndef MOK_COMMON_STATUS_H
 #define MOK_COMMON_STATUS_H
 
+#include <stdint.h>
+
 #include "mok.h"
 
 #ifdef __cplusplus
@@ -13,6 +15,15 @@ extern "C" {
 #endif
 
 enum { MOK_ERR_LEN = 512 };
+
+/* A bounded wait on an mbarrier that timed out in a kernel (src/cuda/ptx/ptx.cuh): which SM, which
+ * barrier (its shared-memory address) and which phase parity. The kernel ran on to its end with
+ * wrong results instead of trapping; each kernel family's launcher file hands its record to the
+ * host (mok_gg_fault_take, mok_gw_fault_take, mok_fwd_fused_fault_take). */
+typedef struct {
+  uint32_t code; /* 0: none; 1: a wait timed out (2 while it is being written) */
+  uint32_t sm, bar, parity;
+} mok_kernel_fault_t;
 
 /* Records a failure: formats the detail into the thread's last error and, when layer is not NULL,
  * the layer's; returns `code` so callers can write `return mok_fail(l, CODE, "...", ...)`. */

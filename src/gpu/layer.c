@@ -11,6 +11,11 @@
 #include "gpu/gpu.h"
 
 #ifdef MOK_WITH_CUDA
+#include "cuda/forward/forward.h"
+#include "cuda/gemm/gemm.h"
+#endif
+
+#ifdef MOK_WITH_CUDA
 
 static int gpu_runs(mok_layer_t l) {
   return l->comm->nranks == 1 && l->d.precision == MOK_PRECISION_BF16;
@@ -149,6 +154,23 @@ mokResult_t mok_gpu_check(mok_layer_t l) {
   void *word = l->gpu->ws + l->gpu->lay.ws[MOK_WS_ERROR];
   MOK_GPU_CUDA_GOTO(l, cudaStreamSynchronize((cudaStream_t)l->gpu->last_stream), res, done);
   MOK_GPU_CUDA_GOTO(l, cudaMemcpy(&e, word, sizeof(e), cudaMemcpyDeviceToHost), res, done);
+  {
+    /* A kernel's mbarrier wait that timed out (src/cuda/ptx/ptx.cuh): a bug, reported first. */
+    mok_kernel_fault_t f;
+    const char *kernel = mok_fwd_fused_fault_take(&f) ? "fused forward"
+                         : mok_gg_fault_take(&f)      ? "grouped GEMM"
+                         : mok_gw_fault_take(&f)      ? "weight-gradient GEMM"
+                                                      : NULL;
+    if (kernel) {
+      if (e.code != 0) cudaMemset(word, 0, sizeof(e));
+      res = mok_fail(l, MOK_ERROR_TIMEOUT,
+                     "a %s kernel's wait on its shared-memory pipeline (SM %u, barrier 0x%x, "
+                     "parity %u) timed out: the kernel ran to its end with wrong results instead "
+                     "of hanging. This is a bug in MoK; please report it",
+                     kernel, f.sm, f.bar, f.parity);
+      goto done;
+    }
+  }
   if (e.code == 0) goto done;
   MOK_GPU_CUDA_GOTO(l, cudaMemset(word, 0, sizeof(e)), res, done);
   MOK_GPU_CUDA_GOTO(l, cudaDeviceSynchronize(), res, done);

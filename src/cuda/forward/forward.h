@@ -12,6 +12,7 @@
 
 #include "mok.h"
 #include "common/limits.h"
+#include "common/status.h"
 #include "common/tuning.h"
 
 #ifdef __cplusplus
@@ -101,6 +102,9 @@ typedef struct {
  * counters' deadlock freedom needs). A wait that times out writes MOK_ERROR_TIMEOUT to the error
  * word and lets the kernel finish (with wrong results) instead of hanging. */
 mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, void *stream);
+
+/* The fused kernel's fault record (src/common/status.h; as mok_gg_fault_take). */
+int mok_fwd_fused_fault_take(mok_kernel_fault_t *out);
 
 
 #ifdef __cplusplus

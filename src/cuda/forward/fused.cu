@@ -270,3 +270,5 @@ fk_kernel_fn fk_kernel(int staged) { return staged ? fk_forward_kernel<1> : fk_f
 size_t fk_smem_bytes(int staged, int64_t E) {
   return staged ? fk_cfg<1>::bytes(E) : fk_cfg<0>::bytes(E);
 }
+
+extern "C" int mok_fwd_fused_fault_take(mok_kernel_fault_t *out) { return ptx_fault_take(out); }

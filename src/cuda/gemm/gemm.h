@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common/status.h"
 #include "mok.h"
 
 #ifdef __cplusplus
@@ -89,6 +90,12 @@ mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *p, void *st
  * at the power limit); else 0, row tile by row tile, which measured as fast for small B
  * (docs/performance.md, "Grouped GEMM: tile order and L2 bands"). */
 int mok_tile_group_m(int requested, int64_t b_bytes);
+
+/* The kernels' fault records (src/common/status.h): 1 with *out filled, and cleared, when a wait
+ * of a grouped GEMM (mok_gg_) or weight-gradient GEMM (mok_gw_) kernel timed out since the last
+ * call; 0 otherwise. Call after synchronizing with those kernels. */
+int mok_gg_fault_take(mok_kernel_fault_t *out);
+int mok_gw_fault_take(mok_kernel_fault_t *out);
 
 /* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
  * (pointers, int32 offsets, one CTA per SM): the callers fill in their tensors. */

@@ -111,10 +111,9 @@ __device__ __forceinline__ const int4 *gg_tags(const uint8_t *smem_raw, const ui
 
 // Consumer: waits for the stage at the ring's position and reads the tile posted with it (the
 // stage is not consumed); 0 at the end.
-// NOTE: a wait that times out reads as the end instead of trapping as ptx_mbar_wait does: with a
-// trap here, ptxas spilled the fp8 consumers' accumulators (~700 bytes; docs/performance.md,
-// "ptxas: registers, traps and spills"). A producer that never posts is itself stuck in a
-// bounded wait, which traps.
+// NOTE: a wait that times out (ptx.cuh: recorded in the fault word) reads as the end, so the
+// consumers leave their loop; a trap here made ptxas spill the fp8 consumers' accumulators (~700
+// bytes; docs/performance.md, "ptxas: registers, traps and spills").
 // NOTE (racecheck): the tag is written (tp_post_tag) before the producer's mbarrier.arrive on the
 // stage's full barrier and read here after the wait on it succeeded, which orders the two
 // (release / acquire at CTA scope), as in the fused forward's fk_tag; compute-sanitizer's
@@ -453,3 +452,5 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
 #undef GG_LAUNCH
   return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
 }
+
+extern "C" int mok_gg_fault_take(mok_kernel_fault_t *out) { return ptx_fault_take(out); }

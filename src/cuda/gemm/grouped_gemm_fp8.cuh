@@ -39,7 +39,7 @@ struct gg8_plan {
 // NOTE: the warpgroups trade registers within what the CTA was launched with (168 per thread,
 // __launch_bounds__(384, 1)), not the whole register file: with 32 + 2 x 240 the consumers'
 // setmaxnreg.inc waited forever for registers nobody had freed, and the producer's bounded wait
-// trapped (docs/performance.md, "ptxas: registers, traps and spills").
+// timed out (docs/performance.md, "ptxas: registers, traps and spills").
 // With the activation scales in shared memory (SMEM_A) the consumers need no scale pointers and
 // the producer loads one more box per stage: 32 and 232.
 enum { GG8_PRODUCER_REGS = 24, GG8_CONSUMER_REGS = 240 };

@@ -263,3 +263,5 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   }
   return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
 }
+
+extern "C" int mok_gw_fault_take(mok_kernel_fault_t *out) { return ptx_fault_take(out); }

@@ -12,7 +12,10 @@
 #define MOK_CUDA_PTX_CUH
 
 #include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "common/status.h"
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Addresses and fences                                                                            */
@@ -128,30 +131,50 @@ __device__ __forceinline__ int ptx_mbar_try_wait_at(uint32_t bar, uint32_t parit
 }
 
 // Waits until the phase with the given parity has completed. Bounded: a pipeline that makes no
-// progress for MOK_PTX_WAIT_TIMEOUT_NS is a bug (a lost arrival or a bad tensor map), and a trap
-// that the host sees as a launch failure is better than a hung GPU.
+// progress for MOK_PTX_WAIT_TIMEOUT_NS is a bug (a lost arrival or a bad tensor map). It does not
+// trap, which would end the process's CUDA context: the first wait to time out records itself in
+// its translation unit's fault word (ptx_fault, once) and returns as if the phase had completed;
+// every later wait of that unit's kernels that has to spin finds the word set and returns at
+// once, so each kernel runs to its end, with wrong results, instead of hanging. The unit's
+// launcher reads the word on the host (ptx_fault_take) for mok_layer_check, which reports
+// MOK_ERROR_TIMEOUT with the SM, the barrier and the parity.
 #ifndef MOK_PTX_WAIT_TIMEOUT_NS
 #define MOK_PTX_WAIT_TIMEOUT_NS 20000000000ull  // 20 s
 #endif
+static __device__ mok_kernel_fault_t ptx_fault;  // one per translation unit (no relocatable
+                                                  // device code; src/common/status.h)
+
+// The slow path of the waits below: 1 once the phase completed, 0 after a timeout (this wait's,
+// recorded, or an earlier one's).
+__device__ __forceinline__ int ptx_mbar_spin_at(uint32_t bar, uint32_t parity) {
+  const uint64_t t0 = ptx_globaltimer_ns();
+  while (!ptx_mbar_try_wait_at(bar, parity)) {
+    if (*(volatile uint32_t *)&ptx_fault.code) return 0;
+    if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) {
+      if (atomicCAS(&ptx_fault.code, 0u, 2u) == 0u) {  // 2: claimed, being written
+        uint32_t sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        volatile mok_kernel_fault_t *f = &ptx_fault;
+        f->sm = sm;
+        f->bar = bar;
+        f->parity = parity;
+        __threadfence();
+        f->code = 1u;
+      }
+      return 0;
+    }
+  }
+  return 1;
+}
 __device__ __forceinline__ void ptx_mbar_wait_at(uint32_t bar, uint32_t parity) {
   if (ptx_mbar_try_wait_at(bar, parity)) return;
-  uint64_t t0 = ptx_globaltimer_ns();
-  while (!ptx_mbar_try_wait_at(bar, parity)) {
-    if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) __trap();
-  }
+  ptx_mbar_spin_at(bar, parity);
 }
-// The same wait, returning 0 after the timeout instead of trapping (1 once the phase completed),
-// for a caller that ends its loop on it (grouped_gemm.cu's gg_peek, where a trap made ptxas spill
-// the fp8 consumers' accumulators).
-// NOTE: ptx_mbar_wait_at is not written as a trap on this one's result: that compiles every
-// mainloop's waits differently (more exits, other uniform registers; cuobjdump of grouped_gemm.o,
-// forward/fused.o and grouped_wgrad.o), a change to measure, not a refactor.
+// The same wait, returning 0 after a timeout (1 once the phase completed), for a caller that ends
+// its loop on it (grouped_gemm.cu's gg_peek).
 __device__ __forceinline__ int ptx_mbar_wait_bounded_at(uint32_t bar, uint32_t parity) {
   if (ptx_mbar_try_wait_at(bar, parity)) return 1;
-  const uint64_t t0 = ptx_globaltimer_ns();
-  while (!ptx_mbar_try_wait_at(bar, parity))
-    if (ptx_globaltimer_ns() - t0 > MOK_PTX_WAIT_TIMEOUT_NS) return 0;
-  return 1;
+  return ptx_mbar_spin_at(bar, parity);
 }
 __device__ __forceinline__ void ptx_mbar_wait(uint64_t *bar, uint32_t parity) {
   ptx_mbar_wait_at(ptx_smem_addr(bar), parity);
@@ -411,6 +434,26 @@ __device__ __forceinline__ void ptx_wgmma_m64n128k32_e4m3(float (&d)[64], uint64
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The fault word on the host                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Host: this translation unit's fault word (ptx_mbar_spin_at), cleared once read. 1 with *out
+// filled when a wait timed out since the last call, 0 when none did (or the read failed). The
+// caller has synchronized with the kernels it asks about.
+static inline int ptx_fault_take(mok_kernel_fault_t *out) {
+  mok_kernel_fault_t f;
+  if (cudaMemcpyFromSymbol(&f, ptx_fault, sizeof(f)) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (f.code == 0) return 0;
+  const mok_kernel_fault_t zero = {0, 0, 0, 0};
+  cudaMemcpyToSymbol(ptx_fault, &zero, sizeof(zero));
+  *out = f;
+  return 1;
 }
 
 #endif /* MOK_CUDA_PTX_CUH */
