@@ -136,8 +136,12 @@ mokResult_t mok_comm_device(mok_comm_t comm, int *device);
 /* ---------------------------------------------------------------------------------------------- */
 
 /* Constraints checked by mok_layer_create: H, I and Is (when not 0) are positive multiples of 128
- * (Is may be 0); 1 <= K <= min(E, 64); E % W == 0; 1 <= T_max <= 2^24; capacity_factor is 0 or in
- * (0, W]; comm_sms >= 0. */
+ * (Is may be 0), at most 2^20; 1 <= E <= 2^16 with E % W == 0; 1 <= K <= min(E, 64);
+ * 1 <= T_max <= 2^24; capacity_factor is 0 or in (0, W], and the routed rows a rank can receive,
+ * ceil(capacity_factor * T_max * K) (capacity_factor 0: W), are below 2^31; comm_sms >= 0.
+ * Within these bounds every size the library computes (context, workspace, quantized weights)
+ * fits in 64 bits; a descriptor outside them gives MOK_ERROR_INVALID_SHAPE (MOK_ERROR_INVALID_VALUE
+ * for T_max) naming the field and the numbers. */
 typedef struct {
   size_t struct_size;              /* sizeof(mok_layer_desc_t); set by MOK_LAYER_DESC_INIT */
   int version;                     /* MOK_VERSION_CODE; set by MOK_LAYER_DESC_INIT */

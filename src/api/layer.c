@@ -14,10 +14,21 @@
 #include "cuda/forward/forward.h"
 #include "cuda/quant/quant.h"
 #include "api/api.h"
+#include "common/limits.h"
+
+/* The bounds of common/limits.h make every size fit in int64_t; size_t must hold them too. */
+_Static_assert(sizeof(size_t) >= sizeof(int64_t), "MoK needs a 64-bit size_t");
 
 static atomic_uint_fast64_t g_next_layer_id = 1; /* distinguishes layers in saved contexts */
 
 static int is_gpu(mok_layer_t l) { return l->comm->device != MOK_DEVICE_CPU; }
+
+/* Routed rows (unpadded) a rank can receive: ceil(cf * T_max * K), cf = W when 0. Exact: the
+ * product is below 2^53 within the bounds of check_desc (cf <= W <= E <= 2^16, T_max K <= 2^30). */
+static int64_t capacity_rows(const mok_layer_desc_t *d, int W) {
+  const double cf = d->capacity_factor > 0 ? d->capacity_factor : (double)W;
+  return (int64_t)ceil(cf * (double)(d->max_tokens * d->top_k));
+}
 
 static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
   if (d->struct_size != sizeof(mok_layer_desc_t) || d->version / 100 != MOK_VERSION_CODE / 100)
@@ -25,25 +36,29 @@ static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
                     "descriptor has struct_size %zu and version %d; this library expects %zu and "
                     "%d: initialize it with MOK_LAYER_DESC_INIT",
                     d->struct_size, d->version, sizeof(mok_layer_desc_t), MOK_VERSION_CODE);
-  if (d->hidden <= 0 || d->hidden % 128)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "hidden (H) = %lld: must be a positive multiple of 128",
-                    (long long)d->hidden);
-  if (d->intermediate <= 0 || d->intermediate % 128)
+  /* The bounds of common/limits.h: with them every size derived from the descriptor fits. */
+  const struct {
+    const char *name;
+    int64_t v;
+    int zero_ok;
+  } dims[3] = {{"hidden (H)", d->hidden, 0},
+               {"intermediate (I)", d->intermediate, 0},
+               {"shared_intermediate (Is)", d->shared_intermediate, 1}};
+  for (int i = 0; i < 3; i++)
+    if (dims[i].v < (dims[i].zero_ok ? 0 : 1) || dims[i].v % 128 || dims[i].v > MOK_MAX_DIM)
+      return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                      "%s = %lld: must be %sa positive multiple of 128, at most 2^20 = %lld",
+                      dims[i].name, (long long)dims[i].v, dims[i].zero_ok ? "0 or " : "",
+                      (long long)MOK_MAX_DIM);
+  if (d->num_experts < 1 || d->num_experts % W || d->num_experts > MOK_MAX_NUM_EXPERTS)
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "intermediate (I) = %lld: must be a positive multiple of 128",
-                    (long long)d->intermediate);
-  if (d->shared_intermediate < 0 || d->shared_intermediate % 128)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "shared_intermediate (Is) = %lld: must be 0 or a positive multiple of 128",
-                    (long long)d->shared_intermediate);
-  if (d->num_experts < 1 || d->num_experts % W)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "num_experts (E) = %lld: must be a positive multiple of the %d ranks",
-                    (long long)d->num_experts, W);
-  if (d->top_k < 1 || d->top_k > d->num_experts || d->top_k > 64)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "top_k (K) = %lld: must be in [1, min(E = %lld, 64)]",
-                    (long long)d->top_k, (long long)d->num_experts);
-  if (d->max_tokens < 1 || d->max_tokens > (1 << 24))
+                    "num_experts (E) = %lld: must be a positive multiple of the %d ranks, at most "
+                    "2^16 = %lld",
+                    (long long)d->num_experts, W, (long long)MOK_MAX_NUM_EXPERTS);
+  if (d->top_k < 1 || d->top_k > d->num_experts || d->top_k > MOK_MAX_TOP_K)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "top_k (K) = %lld: must be in [1, min(E = %lld, %d)]",
+                    (long long)d->top_k, (long long)d->num_experts, MOK_MAX_TOP_K);
+  if (d->max_tokens < 1 || d->max_tokens > MOK_MAX_TOKENS)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "max_tokens (T_max) = %lld: must be in [1, 2^24]",
                     (long long)d->max_tokens);
   if ((unsigned)d->precision > MOK_PRECISION_MXFP8)
@@ -68,6 +83,13 @@ static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "capacity_factor = %g: must be 0 (automatic) or in (0, W = %d]",
                     d->capacity_factor, W);
+  const int64_t rows = capacity_rows(d, W);
+  if (rows > MOK_MAX_CAPACITY_ROWS)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "capacity_factor %g (0 = W = %d) x max_tokens %lld x top_k %lld = %lld routed "
+                    "rows per rank: must be below 2^31 (lower max_tokens or capacity_factor)",
+                    d->capacity_factor, W, (long long)d->max_tokens, (long long)d->top_k,
+                    (long long)rows);
   return MOK_SUCCESS;
 }
 
@@ -83,8 +105,7 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
   l->comm = comm;
   l->d = *desc;
   l->EL = desc->num_experts / comm->nranks;
-  double cf = desc->capacity_factor > 0 ? desc->capacity_factor : (double)comm->nranks;
-  l->capacity_rows = (int64_t)ceil(cf * (double)(desc->max_tokens * desc->top_k));
+  l->capacity_rows = capacity_rows(desc, comm->nranks);
   l->id = atomic_fetch_add(&g_next_layer_id, 1);
   if ((r = mok_tuning_default(&l->tuning)) != MOK_SUCCESS) {
     free(l);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/limits.h"
 #include "cpu/ref_internal.h"
 
 void mok_ref_num_init(mok_ref_num_t *n, const mok_ref_cfg_t *cfg) {
@@ -43,11 +44,12 @@ mokResult_t mok_ref_check_cfg(const mok_ref_cfg_t *cfg, char *err, size_t errlen
     return MOK_ERROR_NULL_POINTER;
   }
   const char *why = NULL;
-  if (cfg->H <= 0) why = "hidden size H must be positive";
-  else if (cfg->I <= 0) why = "intermediate size I must be positive";
-  else if (cfg->Is < 0) why = "shared intermediate size Is must be >= 0";
+  if (cfg->H <= 0 || cfg->H > MOK_MAX_DIM) why = "hidden size H must be in [1, 2^20]";
+  else if (cfg->I <= 0 || cfg->I > MOK_MAX_DIM) why = "intermediate size I must be in [1, 2^20]";
+  else if (cfg->Is < 0 || cfg->Is > MOK_MAX_DIM) why = "shared intermediate size Is must be in [0, 2^20]";
   else if (cfg->W < 1) why = "number of ranks W must be >= 1";
-  else if (cfg->E < 1 || cfg->E % cfg->W != 0) why = "E must be a positive multiple of W";
+  else if (cfg->E < 1 || cfg->E % cfg->W != 0 || cfg->E > MOK_MAX_NUM_EXPERTS)
+    why = "E must be a positive multiple of W, at most 2^16";
   else if (cfg->K < 1 || cfg->K > cfg->E) why = "top-k K must be in [1, E]";
   else if (cfg->tile_m < 1) why = "tile_m must be >= 1";
   else if (cfg->precision != MOK_PRECISION_BF16 && cfg->precision != MOK_PRECISION_FP8_BLOCK &&

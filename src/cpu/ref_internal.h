@@ -88,8 +88,9 @@ void mok_ref_set_error(char *err, size_t errlen, const char *fmt, ...)
 /* Records an allocation failure in `what` (forward, ...); returns MOK_ERROR_OUT_OF_MEMORY. */
 mokResult_t mok_ref_oom(char *err, size_t errlen, const char *what);
 
-/* MOK_ERROR_INVALID_VALUE (detail in err) unless H, I > 0, Is >= 0, W >= 1, E % W == 0,
- * 1 <= K <= E, tile_m >= 1, a known precision and fp8 scale, exact only with BF16. */
+/* MOK_ERROR_INVALID_VALUE (detail in err) unless 0 < H, I <= 2^20, 0 <= Is <= 2^20, W >= 1,
+ * E % W == 0, E <= 2^16, 1 <= K <= E, tile_m >= 1, a known precision and fp8 scale, exact only
+ * with BF16 (the bounds of common/limits.h: every per-rank size then fits in int64). */
 mokResult_t mok_ref_check_cfg(const mok_ref_cfg_t *cfg, char *err, size_t errlen);
 
 /* Checks the pointers and token counts of a forward (backward = 0) or backward (1) call of W
