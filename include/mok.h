@@ -77,6 +77,11 @@ const char *mok_last_error(void);
 typedef struct CUstream_st *mok_stream_t;
 struct ncclComm;
 
+/* Handles. A layer uses its communicator: create the communicator first and destroy it last
+ * (mok_comm_destroy refuses while layers created on it live). Destroying NULL does nothing. A
+ * destroyed handle must not be used again; where its memory has not been reused yet, every call
+ * refuses it (and any pointer that never was a handle) with MOK_ERROR_INVALID_VALUE, "destroyed
+ * or invalid handle", instead of touching it. */
 typedef struct mok_comm *mok_comm_t;
 typedef struct mok_layer *mok_layer_t;
 
@@ -126,6 +131,8 @@ mokResult_t mok_get_unique_id(mok_unique_id_t *id);
 mokResult_t mok_comm_create_unique_id(mok_comm_t *out, const mok_unique_id_t *id, int rank,
                                       int nranks, int device);
 
+/* Fails with MOK_ERROR_INVALID_VALUE, leaving the communicator intact, while layers created on it
+ * are alive (the message says how many): destroy them first. */
 mokResult_t mok_comm_destroy(mok_comm_t comm);
 mokResult_t mok_comm_rank(mok_comm_t comm, int *rank);
 mokResult_t mok_comm_size(mok_comm_t comm, int *nranks);

@@ -6,6 +6,7 @@
  * reports MOK_ERROR_NOT_IMPLEMENTED until it lands).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,12 +94,32 @@ static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
   return MOK_SUCCESS;
 }
 
+_Static_assert(offsetof(struct mok_layer, magic) >= 32, "the magic must survive free() (api.h)");
+
+mokResult_t mok_layer_valid(mok_layer_t l, const char *fn) {
+  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: layer is NULL", fn);
+  if (l->magic != MOK_LAYER_MAGIC)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "%s: layer %p is a destroyed or invalid handle (not from mok_layer_create, "
+                    "or already passed to mok_layer_destroy)",
+                    fn, (void *)l);
+  return MOK_SUCCESS;
+}
+
+/* Checks the handle at the top of an entry point; returns its failure. */
+#define LAYER_ENTRY(l, fn)                           \
+  do {                                               \
+    mokResult_t v_ = mok_layer_valid((l), (fn));     \
+    if (v_ != MOK_SUCCESS) return v_;                \
+  } while (0)
+
 mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_desc_t *desc) {
   if (!out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: out is NULL");
   *out = NULL;
-  if (!comm) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: comm is NULL");
+  mokResult_t r = mok_comm_valid(comm, "mok_layer_create");
+  if (r != MOK_SUCCESS) return r;
   if (!desc) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: desc is NULL");
-  mokResult_t r = check_desc(desc, comm->nranks);
+  r = check_desc(desc, comm->nranks);
   if (r != MOK_SUCCESS) return r;
   mok_layer_t l = calloc(1, sizeof(*l));
   if (!l) return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_layer_create: calloc");
@@ -115,41 +136,62 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
     free(l);
     return r;
   }
+  l->magic = MOK_LAYER_MAGIC;
+  __atomic_fetch_add(&comm->live_layers, 1, __ATOMIC_ACQ_REL);
   *out = l;
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_destroy(mok_layer_t layer) {
-  if (layer && is_gpu(layer)) mok_gpu_layer_destroy(layer);
+  if (!layer) return MOK_SUCCESS; /* like free() */
+  LAYER_ENTRY(layer, "mok_layer_destroy");
+  /* Before anything else, so that a second destroy is refused, never a double free. NOTE:
+   * volatile, or the compiler drops the store as dead before free(). */
+  *(volatile uint64_t *)&layer->magic = 0;
+  if (is_gpu(layer)) mok_gpu_layer_destroy(layer);
+  __atomic_fetch_sub(&layer->comm->live_layers, 1, __ATOMIC_ACQ_REL);
   free(layer);
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_check(mok_layer_t layer) {
-  if (!layer) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_check: layer is NULL");
+  LAYER_ENTRY(layer, "mok_layer_check");
   /* The CPU backend reports everything synchronously. */
   return is_gpu(layer) ? mok_gpu_check(layer) : MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_workspace_size(mok_layer_t layer, size_t *bytes) {
-  if (!layer || !bytes)
-    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_workspace_size: NULL argument");
+  LAYER_ENTRY(layer, "mok_layer_workspace_size");
+  if (!bytes)
+    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_workspace_size: bytes is NULL");
   *bytes = is_gpu(layer) ? mok_gpu_workspace_bytes(layer) : 0; /* the CPU allocates per call */
   return MOK_SUCCESS;
 }
 
+/* Bytes of the context of l (no handle check). */
+static size_t context_bytes(mok_layer_t l) {
+  return is_gpu(l) ? mok_gpu_context_bytes(l) : mok_cpu_context_bytes(&l->d);
+}
+
+/* Bytes of the quantized-weight buffer of l (no handle check). */
+static size_t quantized_bytes(mok_layer_t l) {
+  mok_qw_layout_t q;
+  mok_qw_layout(&l->d, l->EL, &q);
+  return q.bytes;
+}
+
 mokResult_t mok_context_size(mok_layer_t layer, size_t *bytes) {
-  if (!layer || !bytes) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_context_size: NULL argument");
-  *bytes = is_gpu(layer) ? mok_gpu_context_bytes(layer) : mok_cpu_context_bytes(&layer->d);
+  LAYER_ENTRY(layer, "mok_context_size");
+  if (!bytes) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_context_size: bytes is NULL");
+  *bytes = context_bytes(layer);
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_quantized_weights_size(mok_layer_t layer, size_t *bytes) {
-  if (!layer || !bytes)
-    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_quantized_weights_size: NULL argument");
-  mok_qw_layout_t q;
-  mok_qw_layout(&layer->d, layer->EL, &q);
-  *bytes = q.bytes;
+  LAYER_ENTRY(layer, "mok_quantized_weights_size");
+  if (!bytes)
+    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_quantized_weights_size: bytes is NULL");
+  *bytes = quantized_bytes(layer);
   return MOK_SUCCESS;
 }
 
@@ -240,7 +282,7 @@ mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
 
 mokResult_t mok_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
                         mok_stream_t stream) {
-  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_forward: layer is NULL");
+  LAYER_ENTRY(l, "mok_forward");
   mokResult_t r = mok_check_forward_args(l, a, y, ctx, stream);
   if (r != MOK_SUCCESS) return r;
   if (is_gpu(l)) return mok_gpu_forward(l, a, y, ctx, stream);
@@ -249,7 +291,7 @@ mokResult_t mok_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, voi
 
 mokResult_t mok_backward(mok_layer_t l, const mok_forward_args_t *a, const mok_backward_args_t *g,
                          const void *ctx, mok_stream_t stream) {
-  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_backward: layer is NULL");
+  LAYER_ENTRY(l, "mok_backward");
   mokResult_t r = mok_check_backward_args(l, a, g, ctx, stream);
   if (r != MOK_SUCCESS) return r;
   if (is_gpu(l)) return mok_gpu_backward(l, a, g, ctx, stream);
@@ -258,7 +300,7 @@ mokResult_t mok_backward(mok_layer_t l, const mok_forward_args_t *a, const mok_b
 
 mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *out,
                                  mok_stream_t stream) {
-  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_quantize_weights: layer is NULL");
+  LAYER_ENTRY(l, "mok_quantize_weights");
   if (!w) return mok_fail(l, MOK_ERROR_NULL_POINTER, "mok_quantize_weights: weights is NULL");
   if (l->d.precision == MOK_PRECISION_BF16)
     return mok_fail(l, MOK_ERROR_INVALID_VALUE,

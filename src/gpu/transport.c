@@ -121,9 +121,11 @@ static void tp_free(mok_transport_t t) {
 mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
                                  const mok_transport_desc_t *desc) {
   if (out) *out = NULL;
-  if (!out || !comm || !desc)
+  if (!out || !desc)
     return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_transport_create: NULL argument");
-  mokResult_t res = tp_check_desc(desc, comm->nranks);
+  mokResult_t res = mok_comm_valid(comm, "mok_transport_create");
+  if (res != MOK_SUCCESS) return res;
+  res = tp_check_desc(desc, comm->nranks);
   if (res != MOK_SUCCESS) return res;
   if (comm->device < 0)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
