@@ -29,6 +29,12 @@
 extern "C" {
 #endif
 
+/* The library builds with -fvisibility=hidden: the functions declared here are the ones it exports
+ * (src/api/exports.map lists them). */
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#pragma GCC visibility push(default)
+#endif
+
 #define MOK_VERSION_MAJOR 0
 #define MOK_VERSION_MINOR 1
 #define MOK_VERSION_PATCH 0
@@ -279,6 +285,10 @@ mokResult_t mok_quantize_host(const float *in, int64_t rows, int64_t cols, int b
 mokResult_t mok_dequantize_host(const uint8_t *q, const void *scales, int64_t rows, int64_t cols,
                                 int block_rows, int block_cols, mok_quant_scale_t scale,
                                 float *out);
+
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }
