@@ -36,7 +36,7 @@ extern "C" {
 #endif
 
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 1
+#define MOK_VERSION_MINOR 2
 #define MOK_VERSION_PATCH 0
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
@@ -203,7 +203,9 @@ mokResult_t mok_context_size(mok_layer_t layer, size_t *bytes);
 mokResult_t mok_quantized_weights_size(mok_layer_t layer, size_t *bytes);
 
 /* The layer's weights on this rank. BF16 layers read the bf16 pointers; fp8 layers read only
- * `quantized`, the buffer filled by mok_quantize_weights from the bf16 weights. */
+ * `quantized`, the buffer filled by mok_quantize_weights from the bf16 weights, whose size the
+ * caller states in `quantized_bytes` (at least mok_quantized_weights_size; BF16 layers ignore it;
+ * new in version 0.2). */
 typedef struct {
   const void *wg;        /* [EL, I, H] bf16 routed gate projection */
   const void *wu;        /* [EL, I, H] bf16 routed up projection */
@@ -212,13 +214,15 @@ typedef struct {
   const void *wsu;       /* [Is, H] bf16 shared up */
   const void *wsd;       /* [H, Is] bf16 shared down */
   const void *quantized; /* fp8 layers: mok_quantized_weights_size bytes from mok_quantize_weights */
+  size_t quantized_bytes; /* bytes of the `quantized` buffer */
 } mok_weights_t;
 
-/* Quantizes the bf16 weights into `out` (mok_quantized_weights_size bytes) in the library's layout:
- * e4m3 values and scales of every GEMM operand, including the transposed copies that backward reads
- * (FP8 wgmma reads both operands K-major). The quantizer is mok_quantize_host's, bit for bit. */
+/* Quantizes the bf16 weights into `out` (out_bytes >= mok_quantized_weights_size) in the library's
+ * layout: e4m3 values and scales of every GEMM operand, including the transposed copies that
+ * backward reads (FP8 wgmma reads both operands K-major). The quantizer is mok_quantize_host's,
+ * bit for bit. */
 mokResult_t mok_quantize_weights(mok_layer_t layer, const mok_weights_t *w, void *out,
-                                 mok_stream_t stream);
+                                 size_t out_bytes, mok_stream_t stream);
 
 typedef struct {
   int64_t num_tokens;      /* T on this rank, 0 <= T <= T_max */
@@ -238,15 +242,21 @@ typedef struct {
   void *dwsd;        /* [H, Is] */
 } mok_backward_args_t;
 
-/* y[T, H] = the MoE layer on this rank's tokens. Writes `ctx` (mok_context_size bytes; may be NULL
- * when that size is 0) for backward. Asynchronous on `stream` for GPU layers; on a CPU layer the
- * call runs to completion and `stream` must be NULL. */
-mokResult_t mok_forward(mok_layer_t layer, const mok_forward_args_t *args, void *y, void *ctx,
-                        mok_stream_t stream);
+/* Buffers whose size the library cannot derive from the arguments come with their size: a
+ * smaller buffer than needed is refused with MOK_ERROR_INVALID_VALUE naming both sizes (the
+ * tensors of the argument structs have the shapes above, set by num_tokens and the descriptor). */
 
-/* Gradients of the layer for dy, given the same forward arguments and the context forward wrote. */
+/* y[T, H] = the MoE layer on this rank's tokens. Writes `ctx`, a buffer of ctx_bytes >=
+ * mok_context_size bytes, for backward. Asynchronous on `stream` for GPU layers; on a CPU layer
+ * the call runs to completion and `stream` must be NULL. */
+mokResult_t mok_forward(mok_layer_t layer, const mok_forward_args_t *args, void *y, void *ctx,
+                        size_t ctx_bytes, mok_stream_t stream);
+
+/* Gradients of the layer for dy, given the same forward arguments and the context forward wrote
+ * (ctx_bytes >= mok_context_size bytes). */
 mokResult_t mok_backward(mok_layer_t layer, const mok_forward_args_t *args,
-                         const mok_backward_args_t *grads, const void *ctx, mok_stream_t stream);
+                         const mok_backward_args_t *grads, const void *ctx, size_t ctx_bytes,
+                         mok_stream_t stream);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Quantizers, defined bit-exactly (the GPU kernels reproduce them bit for bit)                    */

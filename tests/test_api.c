@@ -23,6 +23,7 @@ typedef struct {
   int32_t *idx;
   float *tw, *dtw, *dw[6];
   void *ctx, *qw;
+  size_t cb, qb; /* bytes of ctx and qw */
   mok_forward_args_t a;
   mok_backward_args_t g;
 } fixture_t;
@@ -76,11 +77,12 @@ static mokResult_t fixture_init(fixture_t *f, mok_precision_t prec, int64_t Is, 
   mok_quantized_weights_size(f->l, &qb);
   f->ctx = zalloc(cb);
   f->qw = qb ? zalloc(qb) : NULL;
+  f->cb = cb, f->qb = qb;
   f->a = (mok_forward_args_t){T, f->x, f->idx, f->tw,
-                              {f->wg, f->wu, f->wd, Is ? f->wsg : NULL, Is ? f->wsu : NULL, Is ? f->wsd : NULL, f->qw}};
+                              {f->wg, f->wu, f->wd, Is ? f->wsg : NULL, Is ? f->wsu : NULL, Is ? f->wsd : NULL, f->qw, qb}};
   f->g = (mok_backward_args_t){f->dy, f->dx, f->dtw, f->dw[0], f->dw[1], f->dw[2],
                                Is ? f->dw[3] : NULL, Is ? f->dw[4] : NULL, Is ? f->dw[5] : NULL};
-  if (qb) r = mok_quantize_weights(f->l, &f->a.w, f->qw, NULL);
+  if (qb) r = mok_quantize_weights(f->l, &f->a.w, f->qw, qb, NULL);
   return r;
 }
 
@@ -208,31 +210,31 @@ MOK_TEST(api_forward_validates_arguments) {
   const size_t ybytes = 2 * 6 * 128;
   memset(f.y, 0xAB, ybytes);
   mok_forward_args_t a;
-  MOK_EXPECT(mok_forward(NULL, &f.a, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER);
-  MOK_EXPECT(mok_forward(f.l, NULL, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER);
-  MOK_EXPECT(mok_forward(f.l, &f.a, NULL, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("y"));
-  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, NULL, NULL) == MOK_ERROR_NULL_POINTER && msg_has("ctx"));
-  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, (mok_stream_t)0x1) == MOK_ERROR_INVALID_VALUE &&
+  MOK_EXPECT(mok_forward(NULL, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_forward(f.l, NULL, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_forward(f.l, &f.a, NULL, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("y"));
+  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, NULL, 0, NULL) == MOK_ERROR_NULL_POINTER && msg_has("ctx"));
+  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, (mok_stream_t)0x1) == MOK_ERROR_INVALID_VALUE &&
              msg_has("stream"));
   a = f.a, a.x = NULL;
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("args.x"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("args.x"));
   a = f.a, a.topk_idx = NULL;
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("topk_idx"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("topk_idx"));
   a = f.a, a.topk_w = NULL;
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("topk_w"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("topk_w"));
   a = f.a, a.w.wd = NULL;
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wd"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wd"));
   a = f.a, a.w.wsu = NULL; /* the shared expert exists (Is = 128): its weights are required */
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wsu"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wsu"));
   a = f.a, a.x = (const char *)f.x + 2;
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_MISALIGNED && msg_has("args.x"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_MISALIGNED && msg_has("args.x"));
   a = f.a, a.topk_idx = (const int32_t *)((const char *)f.idx + 1);
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_MISALIGNED);
-  MOK_EXPECT(mok_forward(f.l, &f.a, (char *)f.y + 8, f.ctx, NULL) == MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_forward(f.l, &f.a, (char *)f.y + 8, f.ctx, f.cb, NULL) == MOK_ERROR_MISALIGNED);
   a = f.a, a.num_tokens = 9; /* T_max = 8 */
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_INVALID_SHAPE && msg_has("num_tokens"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_INVALID_SHAPE && msg_has("num_tokens"));
   a = f.a, a.num_tokens = -1;
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_INVALID_SHAPE);
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_INVALID_SHAPE);
   MOK_EXPECT(unchanged(f.y, ybytes, 0xAB));
   /* The layer keeps the detail of its last failure. */
   MOK_EXPECT(strstr(mok_layer_last_error(f.l), "num_tokens") != NULL);
@@ -245,11 +247,11 @@ MOK_TEST(api_bad_routing_is_reported_and_leaves_outputs_intact) {
   const size_t ybytes = 2 * 6 * 128;
   memset(f.y, 0xCD, ybytes);
   f.idx[5] = 4; /* E = 4: out of range */
-  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_ERROR_INVALID_ROUTING);
+  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_INVALID_ROUTING);
   f.idx[5] = -2;
-  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_ERROR_INVALID_ROUTING);
+  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_INVALID_ROUTING);
   f.idx[5] = f.idx[4]; /* token 2: the same expert in both slots */
-  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_ERROR_INVALID_ROUTING);
+  MOK_EXPECT(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_INVALID_ROUTING);
   MOK_EXPECT(unchanged(f.y, ybytes, 0xCD));
   fixture_free(&f);
 }
@@ -262,12 +264,12 @@ MOK_TEST(api_capacity_overflow_is_reported) {
   d.capacity_factor = 0.5; /* 0.5 x T_max 8 x K 2 = 8 rows; the fixture routes more */
   MOK_REQUIRE(mok_layer_create(&small, f.comm, &d) == MOK_SUCCESS);
   memset(f.y, 0xEE, 2 * 8 * 128);
-  MOK_EXPECT(mok_forward(small, &f.a, f.y, f.ctx, NULL) == MOK_ERROR_CAPACITY_OVERFLOW &&
+  MOK_EXPECT(mok_forward(small, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_CAPACITY_OVERFLOW &&
              msg_has("capacity"));
   MOK_EXPECT(unchanged(f.y, 2 * 8 * 128, 0xEE));
   mok_forward_args_t a = f.a;
   a.num_tokens = 4; /* 4 tokens route fewer than 8 rows: fits */
-  MOK_EXPECT(mok_forward(small, &a, f.y, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_forward(small, &a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   mok_layer_destroy(small);
   fixture_free(&f);
 }
@@ -277,24 +279,24 @@ MOK_TEST(api_backward_validates_arguments_and_context) {
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 128, 6) == MOK_SUCCESS);
   mok_backward_args_t g;
   /* Backward before any forward: the context is not one of this layer. */
-  MOK_EXPECT(mok_backward(f.l, &f.a, &f.g, f.ctx, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
-  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS);
-  MOK_EXPECT(mok_backward(f.l, &f.a, NULL, f.ctx, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_backward(f.l, &f.a, &f.g, f.ctx, f.cb, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
+  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(f.l, &f.a, NULL, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER);
   g = f.g, g.dy = NULL;
-  MOK_EXPECT(mok_backward(f.l, &f.a, &g, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("dy"));
+  MOK_EXPECT(mok_backward(f.l, &f.a, &g, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("dy"));
   g = f.g, g.dwsd = NULL;
-  MOK_EXPECT(mok_backward(f.l, &f.a, &g, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("dwsd"));
+  MOK_EXPECT(mok_backward(f.l, &f.a, &g, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("dwsd"));
   g = f.g, g.dwg = (char *)f.dw[0] + 4;
-  MOK_EXPECT(mok_backward(f.l, &f.a, &g, f.ctx, NULL) == MOK_ERROR_MISALIGNED && msg_has("dwg"));
+  MOK_EXPECT(mok_backward(f.l, &f.a, &g, f.ctx, f.cb, NULL) == MOK_ERROR_MISALIGNED && msg_has("dwg"));
   mok_forward_args_t a = f.a;
   a.num_tokens = 5; /* not the forward's tokens */
-  MOK_EXPECT(mok_backward(f.l, &a, &f.g, f.ctx, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
+  MOK_EXPECT(mok_backward(f.l, &a, &f.g, f.ctx, f.cb, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
   int32_t saved = f.idx[0];
   f.idx[0] = (f.idx[0] + 2) % 4 == f.idx[1] ? (f.idx[0] + 3) % 4 : (f.idx[0] + 2) % 4;
-  MOK_EXPECT(mok_backward(f.l, &f.a, &f.g, f.ctx, NULL) == MOK_ERROR_CONTEXT_MISMATCH &&
+  MOK_EXPECT(mok_backward(f.l, &f.a, &f.g, f.ctx, f.cb, NULL) == MOK_ERROR_CONTEXT_MISMATCH &&
              msg_has("routing"));
   f.idx[0] = saved;
-  MOK_EXPECT(mok_backward(f.l, &f.a, &f.g, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(f.l, &f.a, &f.g, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   fixture_free(&f);
 }
 
@@ -340,8 +342,8 @@ static void check_api_matches_reference(mok_precision_t prec, mok_context_mode_t
     mok_layer_destroy(f.l);
     f.l = l2;
   }
-  MOK_REQUIRE_MSG(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS, "%s", mok_last_error());
-  MOK_REQUIRE_MSG(mok_backward(f.l, &f.a, &f.g, f.ctx, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+  MOK_REQUIRE_MSG(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+  MOK_REQUIRE_MSG(mok_backward(f.l, &f.a, &f.g, f.ctx, f.cb, NULL) == MOK_SUCCESS, "%s", mok_last_error());
   const int64_t T = 7, H = 128, n[6] = {4 * 128 * 128, 4 * 128 * 128, 4 * 128 * 128, Is * H, Is * H, H * Is};
   double *y = calloc((size_t)(T * H), 8), *dx = calloc((size_t)(T * H), 8), *dtw = calloc(14, 8), *dw[6];
   for (int i = 0; i < 6; i++) dw[i] = calloc((size_t)(n[i] + 1), 8);
@@ -377,18 +379,18 @@ MOK_TEST(api_cpu_backend_matches_reference_fp8) {
 MOK_TEST(api_fp8_reads_quantized_buffer) {
   fixture_t f;
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_FP8_BLOCK, 0, 4) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   uint16_t *y1 = malloc(2 * 4 * 128);
   memcpy(y1, f.y, 2 * 4 * 128);
   for (int64_t i = 0; i < 4 * 128 * 128; i++) f.wg[i] = mok_bf16_from_float(0.5f * mok_bf16_to_float(f.wg[i]));
-  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   MOK_EXPECT(memcmp(y1, f.y, 2 * 4 * 128) == 0); /* buffer unchanged: same result */
-  MOK_REQUIRE(mok_quantize_weights(f.l, &f.a.w, f.qw, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_quantize_weights(f.l, &f.a.w, f.qw, f.qb, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   MOK_EXPECT(memcmp(y1, f.y, 2 * 4 * 128) != 0); /* requantized: the halved gate shows */
   mok_forward_args_t a = f.a;
   a.w.quantized = NULL;
-  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("quantized"));
+  MOK_EXPECT(mok_forward(f.l, &a, f.y, f.ctx, f.cb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("quantized"));
   free(y1);
   fixture_free(&f);
 }
@@ -399,15 +401,15 @@ MOK_TEST(api_quantize_weights_validates) {
   size_t qb = 1;
   MOK_EXPECT(mok_quantized_weights_size(f.l, &qb) == MOK_SUCCESS && qb == 0);
   char buf[64];
-  MOK_EXPECT(mok_quantize_weights(f.l, &f.a.w, buf, NULL) == MOK_ERROR_INVALID_VALUE && msg_has("BF16"));
+  MOK_EXPECT(mok_quantize_weights(f.l, &f.a.w, buf, sizeof(buf), NULL) == MOK_ERROR_INVALID_VALUE && msg_has("BF16"));
   fixture_free(&f);
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_MXFP8, 128, 2) == MOK_SUCCESS);
   mok_weights_t w = f.a.w;
   w.wsg = NULL;
-  MOK_EXPECT(mok_quantize_weights(f.l, &w, f.qw, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wsg"));
-  MOK_EXPECT(mok_quantize_weights(f.l, &f.a.w, NULL, NULL) == MOK_ERROR_NULL_POINTER);
-  MOK_EXPECT(mok_quantize_weights(f.l, &f.a.w, (char *)f.qw + 1, NULL) == MOK_ERROR_MISALIGNED);
-  MOK_EXPECT(mok_quantize_weights(f.l, NULL, f.qw, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_quantize_weights(f.l, &w, f.qw, f.qb, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wsg"));
+  MOK_EXPECT(mok_quantize_weights(f.l, &f.a.w, NULL, f.qb, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_quantize_weights(f.l, &f.a.w, (char *)f.qw + 1, f.qb, NULL) == MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_quantize_weights(f.l, NULL, f.qw, f.qb, NULL) == MOK_ERROR_NULL_POINTER);
   fixture_free(&f);
 }
 
@@ -416,8 +418,8 @@ MOK_TEST(api_wgrad_dtype_and_accumulate) {
   fixture_t f;
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 0, 6) == MOK_SUCCESS);
   const int64_t n = 4 * 128 * 128;
-  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_backward(f.l, &f.a, &f.g, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.l, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_backward(f.l, &f.a, &f.g, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   float *once = malloc(sizeof(float) * (size_t)n);
   memcpy(once, f.dw[1], sizeof(float) * (size_t)n);
   int bad = 0;
@@ -426,8 +428,8 @@ MOK_TEST(api_wgrad_dtype_and_accumulate) {
   d.wgrad_accumulate = 1;
   mok_layer_t acc;
   MOK_REQUIRE(mok_layer_create(&acc, f.comm, &d) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_forward(acc, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_backward(acc, &f.a, &f.g, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(acc, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_backward(acc, &f.a, &f.g, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   for (int64_t i = 0; i < n; i++) bad += f.dw[1][i] != once[i] + once[i];
   MOK_EXPECT_MSG(bad == 0, "fp32 accumulate: %d differ", bad);
   mok_layer_destroy(acc);
@@ -436,8 +438,8 @@ MOK_TEST(api_wgrad_dtype_and_accumulate) {
   mok_layer_t b16;
   MOK_REQUIRE(mok_layer_create(&b16, f.comm, &d) == MOK_SUCCESS);
   memset(f.dw[1], 0x5A, sizeof(float) * (size_t)n);
-  MOK_REQUIRE(mok_forward(b16, &f.a, f.y, f.ctx, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_backward(b16, &f.a, &f.g, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(b16, &f.a, f.y, f.ctx, f.cb, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_backward(b16, &f.a, &f.g, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   const uint16_t *h = (const uint16_t *)f.dw[1];
   bad = 0;
   for (int64_t i = 0; i < n; i++) bad += h[i] != mok_bf16_from_float(once[i]);
@@ -454,11 +456,11 @@ MOK_TEST(api_zero_tokens) {
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 128, 3) == MOK_SUCCESS);
   mok_forward_args_t a = f.a;
   a.num_tokens = 0, a.x = NULL, a.topk_idx = NULL, a.topk_w = NULL;
-  MOK_EXPECT(mok_forward(f.l, &a, NULL, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_forward(f.l, &a, NULL, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   mok_backward_args_t g = f.g;
   g.dy = NULL, g.dx = NULL, g.dtopk_w = NULL;
   memset(f.dw[0], 0x7F, 4 * 128 * 128 * sizeof(float));
-  MOK_EXPECT(mok_backward(f.l, &a, &g, f.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(f.l, &a, &g, f.ctx, f.cb, NULL) == MOK_SUCCESS);
   MOK_EXPECT(unchanged(f.dw[0], 4 * 128 * 128 * sizeof(float), 0)); /* no rows: zero gradients */
   fixture_free(&f);
 }

@@ -2,9 +2,12 @@
  * test_misuse.c: what a caller gets wrong, answered with an error instead of a crash: handles
  * used after destroy or destroyed twice (refused while their memory has not been reused, because
  * destroy clears their magic word first), a communicator destroyed under a live layer (refused:
- * it counts its layers), a pointer that never was a handle, NULL arguments at every entry point.
+ * it counts its layers), a pointer that never was a handle, NULL arguments at every entry point,
+ * and caller buffers whose stated size is below what the layer needs (refused, naming both sizes).
  */
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "mok.h"
@@ -114,4 +117,129 @@ MOK_TEST(misuse_null_arguments_everywhere) {
              MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(mok_layer_destroy(l) == MOK_SUCCESS);
   MOK_EXPECT(mok_comm_destroy(c) == MOK_SUCCESS);
+}
+
+/* ---- buffers come with their sizes ---------------------------------------------------------- */
+
+/* A small CPU layer with zero weights and its buffers (values do not matter here). */
+typedef struct {
+  mok_comm_t c;
+  mok_layer_t l;
+  size_t cb, qb;
+  uint16_t w[3][4 * 128 * 128], x[2 * 128], y[2 * 128], dx[2 * 128];
+  float g[3][4 * 128 * 128], tw[4], dtw[4];
+  int32_t idx[4];
+  void *ctx, *qw;
+  mok_forward_args_t a;
+  mok_backward_args_t b;
+} small_t;
+
+static small_t g_s; /* large: static, not on the stack */
+
+static int small_open(small_t *s, mok_precision_t prec) {
+  memset(s, 0, sizeof(*s));
+  mok_layer_desc_t d = small_desc();
+  d.precision = prec;
+  if (mok_comm_create_local(&s->c, MOK_DEVICE_CPU) != MOK_SUCCESS) return 0;
+  if (mok_layer_create(&s->l, s->c, &d) != MOK_SUCCESS) return 0;
+  mok_context_size(s->l, &s->cb);
+  mok_quantized_weights_size(s->l, &s->qb);
+  s->ctx = aligned_alloc(64, (s->cb + 63) / 64 * 64);
+  s->qw = s->qb ? aligned_alloc(256, (s->qb + 255) / 256 * 256) : NULL;
+  const int32_t idx[4] = {0, 1, 2, 3};
+  memcpy(s->idx, idx, sizeof(idx));
+  s->a = (mok_forward_args_t){2, s->x, s->idx, s->tw,
+                              {s->w[0], s->w[1], s->w[2], NULL, NULL, NULL, s->qw, s->qb}};
+  s->b = (mok_backward_args_t){s->x, s->dx, s->dtw, s->g[0], s->g[1], s->g[2], NULL, NULL, NULL};
+  return s->ctx && (!s->qb || s->qw) &&
+         (!s->qb || mok_quantize_weights(s->l, &s->a.w, s->qw, s->qb, NULL) == MOK_SUCCESS);
+}
+
+static void small_close(small_t *s) {
+  mok_layer_destroy(s->l);
+  mok_comm_destroy(s->c);
+  free(s->ctx);
+  free(s->qw);
+}
+
+/* The message names the given size and the needed one. */
+static int names_sizes(size_t given, size_t need) {
+  char a[32], b[32];
+  snprintf(a, sizeof a, "%zu", given);
+  snprintf(b, sizeof b, "= %zu", need);
+  return msg_has(a) && msg_has(b);
+}
+
+MOK_TEST(misuse_small_context_buffer_is_refused) {
+  small_t *s = &g_s;
+  MOK_REQUIRE(small_open(s, MOK_PRECISION_BF16));
+  memset(s->y, 0xAB, sizeof(s->y));
+  memset(s->ctx, 0xCD, s->cb);
+  MOK_EXPECT(mok_forward(s->l, &s->a, s->y, s->ctx, s->cb - 1, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT_MSG(msg_has("ctx_bytes") && names_sizes(s->cb - 1, s->cb), "%s", mok_last_error());
+  MOK_EXPECT(mok_forward(s->l, &s->a, s->y, s->ctx, 0, NULL) == MOK_ERROR_INVALID_VALUE);
+  for (size_t i = 0; i < sizeof(s->y); i++) MOK_EXPECT(((unsigned char *)s->y)[i] == 0xAB);
+  for (size_t i = 0; i < s->cb; i++) MOK_EXPECT(((unsigned char *)s->ctx)[i] == 0xCD);
+  /* A larger buffer is fine; so is exactly the size. */
+  MOK_REQUIRE(mok_forward(s->l, &s->a, s->y, s->ctx, s->cb + 100, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_forward(s->l, &s->a, s->y, s->ctx, s->cb, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(s->l, &s->a, &s->b, s->ctx, s->cb / 2, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT_MSG(names_sizes(s->cb / 2, s->cb), "%s", mok_last_error());
+  MOK_EXPECT(mok_backward(s->l, &s->a, &s->b, s->ctx, s->cb, NULL) == MOK_SUCCESS);
+  small_close(s);
+}
+
+MOK_TEST(misuse_small_quantized_buffer_is_refused) {
+  small_t *s = &g_s;
+  MOK_REQUIRE(small_open(s, MOK_PRECISION_MXFP8));
+  MOK_REQUIRE(s->qb > 0);
+  /* mok_quantize_weights: the output buffer */
+  memset(s->qw, 0xEE, s->qb);
+  MOK_EXPECT(mok_quantize_weights(s->l, &s->a.w, s->qw, s->qb - 1, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT_MSG(msg_has("out_bytes") && names_sizes(s->qb - 1, s->qb), "%s", mok_last_error());
+  for (size_t i = 0; i < s->qb; i++) MOK_EXPECT(((unsigned char *)s->qw)[i] == 0xEE);
+  MOK_REQUIRE(mok_quantize_weights(s->l, &s->a.w, s->qw, s->qb, NULL) == MOK_SUCCESS);
+  /* forward and backward: weights.quantized_bytes */
+  mok_forward_args_t a = s->a;
+  a.w.quantized_bytes = s->qb - 256;
+  MOK_EXPECT(mok_forward(s->l, &a, s->y, s->ctx, s->cb, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT_MSG(msg_has("quantized_bytes") && names_sizes(s->qb - 256, s->qb), "%s",
+                 mok_last_error());
+  a.w.quantized_bytes = 0; /* a caller of 0.1 that never set it */
+  MOK_EXPECT(mok_forward(s->l, &a, s->y, s->ctx, s->cb, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_REQUIRE(mok_forward(s->l, &s->a, s->y, s->ctx, s->cb, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(s->l, &a, &s->b, s->ctx, s->cb, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT(mok_backward(s->l, &s->a, &s->b, s->ctx, s->cb, NULL) == MOK_SUCCESS);
+  small_close(s);
+}
+
+/* The calls that take tensors refuse a destroyed layer before reading any argument. */
+MOK_TEST(misuse_layer_calls_after_destroy) {
+  small_t *s = &g_s;
+  MOK_REQUIRE(small_open(s, MOK_PRECISION_MXFP8));
+  mok_layer_t l = s->l;
+  MOK_REQUIRE(mok_layer_destroy(l) == MOK_SUCCESS);
+  s->l = NULL;
+  MOK_EXPECT(mok_forward(l, &s->a, s->y, s->ctx, s->cb, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT(msg_has("mok_forward") && msg_has("destroyed or invalid handle"));
+  MOK_EXPECT(mok_backward(l, &s->a, &s->b, s->ctx, s->cb, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT(mok_quantize_weights(l, &s->a.w, s->qw, s->qb, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT(mok_forward(NULL, &s->a, s->y, s->ctx, s->cb, NULL) == MOK_ERROR_NULL_POINTER);
+  small_close(s);
+}
+
+/* The API changed in 0.2 (buffer sizes): a descriptor of 0.1 is refused, a later patch is not. */
+MOK_TEST(misuse_descriptor_of_another_minor_version) {
+  mok_comm_t c;
+  MOK_REQUIRE(mok_comm_create_local(&c, MOK_DEVICE_CPU) == MOK_SUCCESS);
+  mok_layer_desc_t d = small_desc();
+  mok_layer_t l = NULL;
+  MOK_EXPECT(MOK_VERSION_CODE == 200 && mok_version() == MOK_VERSION_CODE);
+  d.version = 100; /* 0.1.0 */
+  MOK_EXPECT(mok_layer_create(&l, c, &d) == MOK_ERROR_VERSION_MISMATCH && l == NULL);
+  MOK_EXPECT(msg_has("MOK_LAYER_DESC_INIT"));
+  d.version = MOK_VERSION_CODE + 1; /* 0.2.1 */
+  MOK_EXPECT(mok_layer_create(&l, c, &d) == MOK_SUCCESS);
+  mok_layer_destroy(l);
+  mok_comm_destroy(c);
 }

@@ -73,8 +73,9 @@ static mokResult_t run_layer(mok_comm_t comm, const shape_t *s, mok_precision_t 
   void *qw = qw_bytes ? aligned_alloc(256, (qw_bytes + 255) / 256 * 256) : NULL;
   mok_forward_args_t a = *in;
   if (qw) {
-    CHECK(mok_quantize_weights(l, &a.w, qw, NULL));
+    CHECK(mok_quantize_weights(l, &a.w, qw, qw_bytes, NULL));
     a.w.quantized = qw;
+    a.w.quantized_bytes = qw_bytes;
   }
   const int64_t EL = s->E, wsz[6] = {EL * s->I * s->H, EL * s->I * s->H, EL * s->H * s->I,
                                     s->Is * s->H, s->Is * s->H, s->H * s->Is};
@@ -86,9 +87,9 @@ static mokResult_t run_layer(mok_comm_t comm, const shape_t *s, mok_precision_t 
                            s->Is ? res->dw[3] : NULL, s->Is ? res->dw[4] : NULL,
                            s->Is ? res->dw[5] : NULL};
   double t0 = now_s();
-  CHECK(mok_forward(l, &a, res->y, ctx, NULL));
+  CHECK(mok_forward(l, &a, res->y, ctx, ctx_bytes, NULL));
   double t1 = now_s();
-  CHECK(mok_backward(l, &a, &g, ctx, NULL));
+  CHECK(mok_backward(l, &a, &g, ctx, ctx_bytes, NULL));
   res->fwd_s = t1 - t0;
   res->bwd_s = now_s() - t1;
   free(ctx);
@@ -145,7 +146,7 @@ static int run_cpu(const shape_t *s) {
           idx[t * K + k] = (idx[t * K + k] + 1) % E;
           j = -1;
         }
-  mok_forward_args_t in = {T, x, idx, tw, {wg, wu, wd, Is ? wsg : NULL, Is ? wsu : NULL, Is ? wsd : NULL, NULL}};
+  mok_forward_args_t in = {T, x, idx, tw, {wg, wu, wd, Is ? wsg : NULL, Is ? wsu : NULL, Is ? wsd : NULL, NULL, 0}};
   const char *names[3] = {"bf16", "fp8-block", "mxfp8"};
   result_t ref = {0};
   double flops = 6.0 * (double)(T * K) * H * I + 6.0 * T * H * Is; /* forward; backward is 2x */
@@ -264,6 +265,7 @@ static int gpu_problem_init(gpu_problem_t *p, shape_t s, int64_t distinct) {
 typedef struct {
   mok_layer_t l;
   void *x, *idx, *tw, *w[6], *y, *ctx;
+  size_t ctx_bytes;
   mok_forward_args_t a;
 } gpu_job_t;
 
@@ -283,6 +285,7 @@ static int gpu_job_init(gpu_job_t *j, mok_comm_t comm, const gpu_problem_t *p) {
   MOK_OK(mok_layer_create(&j->l, comm, &d));
   size_t ctx_bytes;
   MOK_OK(mok_context_size(j->l, &ctx_bytes));
+  j->ctx_bytes = ctx_bytes;
   const size_t wb[6] = {(size_t)(s->E * s->I * s->H), (size_t)(s->E * s->I * s->H),
                         (size_t)(s->E * s->H * s->I), (size_t)(s->Is * s->H),
                         (size_t)(s->Is * s->H), (size_t)(s->H * s->Is)};
@@ -299,7 +302,7 @@ static int gpu_job_init(gpu_job_t *j, mok_comm_t comm, const gpu_problem_t *p) {
     GPU_CHECK(cudaMalloc(&j->w[i], wb[i] * 2));
     GPU_CHECK(cudaMemcpy(j->w[i], p->w[i], wb[i] * 2, cudaMemcpyHostToDevice));
   }
-  mok_forward_args_t a = {s->T, j->x, j->idx, j->tw, {j->w[0], j->w[1], j->w[2], j->w[3], j->w[4], j->w[5], NULL}};
+  mok_forward_args_t a = {s->T, j->x, j->idx, j->tw, {j->w[0], j->w[1], j->w[2], j->w[3], j->w[4], j->w[5], NULL, 0}};
   j->a = a;
   return 0;
 }
@@ -316,8 +319,8 @@ static int median_ms(const gpu_job_t *j, const mok_backward_args_t *g, cudaEvent
   float ms[10];
   for (int it = 0; it < 13; it++) {
     GPU_CHECK(cudaEventRecord(ev[0], NULL));
-    if (g) MOK_OK(mok_backward(j->l, &j->a, g, j->ctx, NULL));
-    else MOK_OK(mok_forward(j->l, &j->a, j->y, j->ctx, NULL));
+    if (g) MOK_OK(mok_backward(j->l, &j->a, g, j->ctx, j->ctx_bytes, NULL));
+    else MOK_OK(mok_forward(j->l, &j->a, j->y, j->ctx, j->ctx_bytes, NULL));
     GPU_CHECK(cudaEventRecord(ev[1], NULL));
     GPU_CHECK(cudaEventSynchronize(ev[1]));
     if (it >= 3) GPU_CHECK(cudaEventElapsedTime(&ms[it - 3], ev[0], ev[1]));
@@ -339,10 +342,10 @@ static int run_gpu(mok_comm_t comm) {
     if (!gpu_problem_init(&p, s, s.E) || gpu_job_init(&j, comm, &p)) return 1;
     uint16_t *y = malloc((size_t)(s.T * s.H) * 2), *y2 = malloc((size_t)(s.T * s.H) * 2);
     uint16_t *ref = malloc((size_t)(s.T * s.H) * 2);
-    MOK_OK(mok_forward(j.l, &j.a, j.y, j.ctx, NULL));
+    MOK_OK(mok_forward(j.l, &j.a, j.y, j.ctx, j.ctx_bytes, NULL));
     MOK_OK(mok_layer_check(j.l));
     GPU_CHECK(cudaMemcpy(y, j.y, (size_t)(s.T * s.H) * 2, cudaMemcpyDeviceToHost));
-    MOK_OK(mok_forward(j.l, &j.a, j.y, j.ctx, NULL));
+    MOK_OK(mok_forward(j.l, &j.a, j.y, j.ctx, j.ctx_bytes, NULL));
     MOK_OK(mok_layer_check(j.l));
     GPU_CHECK(cudaMemcpy(y2, j.y, (size_t)(s.T * s.H) * 2, cudaMemcpyDeviceToHost));
     mok_comm_t cpu;
@@ -355,8 +358,8 @@ static int run_gpu(mok_comm_t comm) {
     size_t cb;
     MOK_OK(mok_context_size(l, &cb));
     void *ctx = aligned_alloc(64, (cb + 63) / 64 * 64);
-    mok_forward_args_t a = {s.T, p.x, p.idx, p.tw, {p.w[0], p.w[1], p.w[2], p.w[3], p.w[4], p.w[5], NULL}};
-    MOK_OK(mok_forward(l, &a, ref, ctx, NULL));
+    mok_forward_args_t a = {s.T, p.x, p.idx, p.tw, {p.w[0], p.w[1], p.w[2], p.w[3], p.w[4], p.w[5], NULL, 0}};
+    MOK_OK(mok_forward(l, &a, ref, ctx, cb, NULL));
     /* bf16 noise of yk, a and y (one rounding each, ~2^-9 relative rms) and fp32 order: ~0.3%;
      * 1% flags a wrong row or expert, not noise. tests/gpu/test_forward.cu checks elementwise. */
     const double err = rel_err(y, ref, s.T * s.H);

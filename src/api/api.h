@@ -56,10 +56,10 @@ mokResult_t mok_layer_valid(mok_layer_t layer, const char *fn);
 
 /* Validation shared by both backends; each returns MOK_SUCCESS or the failure already recorded. */
 mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, const void *y,
-                                   const void *ctx, mok_stream_t stream);
+                                   const void *ctx, size_t ctx_bytes, mok_stream_t stream);
 mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
                                     const mok_backward_args_t *g, const void *ctx,
-                                    mok_stream_t stream);
+                                    size_t ctx_bytes, mok_stream_t stream);
 mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_quantized);
 
 /* CPU context after the header (SAVE mode): bf16 g, u of each (token, slot): [T_max * K, I] each,

@@ -222,6 +222,12 @@ mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_qu
   int shared = l->d.shared_intermediate > 0;
   if (need_quantized) {
     CHECK_TENSOR(w->quantized, 1, 16, "weights.quantized (fp8 layers read the buffer filled by mok_quantize_weights)");
+    const size_t need = quantized_bytes(l);
+    if (w->quantized_bytes < need)
+      return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                      "weights.quantized_bytes = %zu: the quantized weights of this layer take "
+                      "mok_quantized_weights_size = %zu bytes",
+                      w->quantized_bytes, need);
     return MOK_SUCCESS;
   }
   CHECK_TENSOR(w->wg, 1, 16, "weights.wg");
@@ -234,7 +240,7 @@ mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_qu
 }
 
 static mokResult_t check_common(mok_layer_t l, const mok_forward_args_t *a, const void *ctx,
-                                mok_stream_t stream) {
+                                size_t ctx_bytes, mok_stream_t stream) {
   if (!a) return mok_fail(l, MOK_ERROR_NULL_POINTER, "args is NULL");
   if (!is_gpu(l) && stream)
     return mok_fail(l, MOK_ERROR_INVALID_VALUE,
@@ -247,12 +253,17 @@ static mokResult_t check_common(mok_layer_t l, const mok_forward_args_t *a, cons
   CHECK_TENSOR(a->topk_idx, any, 4, "args.topk_idx");
   CHECK_TENSOR(a->topk_w, any, 4, "args.topk_w");
   CHECK_TENSOR(ctx, 1, 16, "ctx");
+  const size_t need = context_bytes(l);
+  if (ctx_bytes < need)
+    return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                    "ctx_bytes = %zu: the context of this layer takes mok_context_size = %zu bytes",
+                    ctx_bytes, need);
   return mok_check_weights(l, &a->w, l->d.precision != MOK_PRECISION_BF16);
 }
 
 mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, const void *y,
-                                   const void *ctx, mok_stream_t stream) {
-  mokResult_t r = check_common(l, a, ctx, stream);
+                                   const void *ctx, size_t ctx_bytes, mok_stream_t stream) {
+  mokResult_t r = check_common(l, a, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   CHECK_TENSOR(y, a->num_tokens > 0, 16, "y");
   return MOK_SUCCESS;
@@ -260,8 +271,8 @@ mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, c
 
 mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
                                     const mok_backward_args_t *g, const void *ctx,
-                                    mok_stream_t stream) {
-  mokResult_t r = check_common(l, a, ctx, stream);
+                                    size_t ctx_bytes, mok_stream_t stream) {
+  mokResult_t r = check_common(l, a, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   if (!g) return mok_fail(l, MOK_ERROR_NULL_POINTER, "grads is NULL");
   int any = a->num_tokens > 0, shared = l->d.shared_intermediate > 0;
@@ -281,25 +292,25 @@ mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
 /* ---- calls ------------------------------------------------------------------------------------ */
 
 mokResult_t mok_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
-                        mok_stream_t stream) {
+                        size_t ctx_bytes, mok_stream_t stream) {
   LAYER_ENTRY(l, "mok_forward");
-  mokResult_t r = mok_check_forward_args(l, a, y, ctx, stream);
+  mokResult_t r = mok_check_forward_args(l, a, y, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   if (is_gpu(l)) return mok_gpu_forward(l, a, y, ctx, stream);
   return mok_cpu_forward(l, a, y, ctx);
 }
 
 mokResult_t mok_backward(mok_layer_t l, const mok_forward_args_t *a, const mok_backward_args_t *g,
-                         const void *ctx, mok_stream_t stream) {
+                         const void *ctx, size_t ctx_bytes, mok_stream_t stream) {
   LAYER_ENTRY(l, "mok_backward");
-  mokResult_t r = mok_check_backward_args(l, a, g, ctx, stream);
+  mokResult_t r = mok_check_backward_args(l, a, g, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   if (is_gpu(l)) return mok_gpu_backward(l, a, g, ctx, stream);
   return mok_cpu_backward(l, a, g, ctx);
 }
 
 mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *out,
-                                 mok_stream_t stream) {
+                                 size_t out_bytes, mok_stream_t stream) {
   LAYER_ENTRY(l, "mok_quantize_weights");
   if (!w) return mok_fail(l, MOK_ERROR_NULL_POINTER, "mok_quantize_weights: weights is NULL");
   if (l->d.precision == MOK_PRECISION_BF16)
@@ -311,6 +322,12 @@ mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *ou
   if (r != MOK_SUCCESS) return r;
   r = check_tensor(l, out, 1, 16, "out");
   if (r != MOK_SUCCESS) return r;
+  const size_t need = quantized_bytes(l);
+  if (out_bytes < need)
+    return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                    "mok_quantize_weights: out_bytes = %zu: the quantized weights of this layer "
+                    "take mok_quantized_weights_size = %zu bytes",
+                    out_bytes, need);
   if (is_gpu(l)) {
     r = mok_quantize_weights_gpu(&l->d, l->EL, w, out, stream);
     return r == MOK_SUCCESS ? r

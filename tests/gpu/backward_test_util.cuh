@@ -143,9 +143,9 @@ static mokResult_t cpu_backward(const bwd_problem_t *p, bwd_out_t *o,
   g.dtopk_w = T ? o->dtw.data() : NULL;
   void **dw[BWD_NW] = {&g.dwg, &g.dwu, &g.dwd, &g.dwsg, &g.dwsu, &g.dwsd};
   for (int i = 0; i < (f.Is > 0 ? BWD_NW : 3); i++) *dw[i] = o->dw[i].data();
-  r = mok_forward(l, &a, T ? y.data() : NULL, cbuf, NULL);
+  r = mok_forward(l, &a, T ? y.data() : NULL, cbuf, cb, NULL);
   if (r == MOK_SUCCESS && gpu_ctx) bwd_inject_saved(p, *gpu_ctx, cbuf);
-  if (r == MOK_SUCCESS) r = mok_backward(l, &a, &g, cbuf, NULL);
+  if (r == MOK_SUCCESS) r = mok_backward(l, &a, &g, cbuf, cb, NULL);
   o->dx.resize((size_t)(T * H));
   o->dtw.resize((size_t)(T * K));
   for (int i = 0; i < BWD_NW; i++) o->dw[i].resize(bwd_w_bytes(p, i));
@@ -314,7 +314,7 @@ static mokResult_t bwd_gpu_backward(bwd_gpu_t *g, const bwd_problem_t *p, int64_
   b.dtopk_w = T ? g->dtw : NULL;
   b.dwg = g->dw[0], b.dwu = g->dw[1], b.dwd = g->dw[2];
   if (p->f.Is > 0) b.dwsg = g->dw[3], b.dwsu = g->dw[4], b.dwsd = g->dw[5];
-  return mok_backward(F->l, &a, &b, ctx ? ctx : F->ctx, (mok_stream_t)stream);
+  return mok_backward(F->l, &a, &b, ctx ? ctx : F->ctx, F->ctx_bytes, (mok_stream_t)stream);
 }
 
 // Forward then backward of p's first T tokens on `stream`.

@@ -153,7 +153,7 @@ static mokResult_t cpu_forward(const fwd_problem_t *p, int64_t T, const uint16_t
   a.topk_w = T ? tw : NULL;
   a.w.wg = p->wg.data(), a.w.wu = p->wu.data(), a.w.wd = p->wd.data();
   if (Is > 0) a.w.wsg = p->wsg.data(), a.w.wsu = p->wsu.data(), a.w.wsd = p->wsd.data();
-  r = mok_forward(l, &a, T ? y->data() : NULL, cbuf, NULL);
+  r = mok_forward(l, &a, T ? y->data() : NULL, cbuf, cb, NULL);
   if (r == MOK_SUCCESS && ctx) ctx->assign((uint8_t *)cbuf, (uint8_t *)cbuf + cb);
   free(cbuf);
   mok_layer_destroy(l);
@@ -370,7 +370,7 @@ static mok_forward_args_t fwd_gpu_args(const fwd_gpu_t *g, int64_t T) {
 
 static mokResult_t fwd_gpu_forward(fwd_gpu_t *g, int64_t T, cudaStream_t stream) {
   const mok_forward_args_t a = fwd_gpu_args(g, T);
-  return mok_forward(g->l, &a, T ? g->y : NULL, g->ctx, (mok_stream_t)stream);
+  return mok_forward(g->l, &a, T ? g->y : NULL, g->ctx, g->ctx_bytes, (mok_stream_t)stream);
 }
 
 static std::vector<uint16_t> fwd_gpu_y(const fwd_gpu_t *g, int64_t T, int64_t H) {
