@@ -122,6 +122,11 @@ mokResult_t mok_ref_alloc_slots(const mok_ref_cfg_t *cfg, const mok_ref_in_t *in
                                 double ***buf);
 void mok_ref_free_ranks(double **p, int W);
 
+/* The routed weights of local expert le of rank r (backward = 1: the backward copies too):
+ * slices of w[r]'s arrays, or what w[r].experts->load gives (ref.h). */
+void mok_ref_expert_weights(const mok_ref_cfg_t *cfg, const mok_ref_weights_t *w, int r,
+                            int64_t le, int backward, mok_ref_expert_t *e);
+
 /* The gate and up projections of one row, fp32 accumulations, not rounded:
  * g = x . Wg^T, u = x . Wu^T. x: [H]; wg, wu: [rows, H]; g, u: [rows]. */
 void mok_ref_gate_up(const mok_ref_num_t *n, const double *x, const double *wg, const double *wu,
