@@ -10,8 +10,11 @@
  * e4m3 error of the bf16 result.
  *
  * Usage: mok_run [T H I E K Is]   (defaults: 256 256 256 8 2 256 on the CPU)
+ * Arguments that are not integers, or a shape the library refuses (mok_layer_create's checks:
+ * K > E, H not a multiple of 128, ...), print the usage and the reason and exit with status 2.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -119,6 +122,17 @@ static int all_finite(const uint16_t *a, int64_t n) {
   return 1;
 }
 
+/* The first expert id from e on (cyclically) that none of row[0..k) uses; -1 when all E are used
+ * (K > E: without this bound the search never ended). */
+static int32_t next_free_expert(const int32_t *row, int64_t k, int32_t e, int64_t E) {
+  for (int64_t tries = 0; tries < E; tries++, e = (int32_t)((e + 1) % E)) {
+    int taken = 0;
+    for (int64_t j = 0; j < k; j++) taken |= row[j] == e;
+    if (!taken) return e;
+  }
+  return -1;
+}
+
 static int run_cpu(const shape_t *s) {
   mok_comm_t comm;
   if (mok_comm_create_local(&comm, MOK_DEVICE_CPU) != MOK_SUCCESS) {
@@ -133,6 +147,10 @@ static int run_cpu(const shape_t *s) {
   uint16_t *wsd = bf16_random(H * Is + 1, 1 / sqrt((double)(Is ? Is : 1)));
   int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * K));
   float *tw = malloc(sizeof(float) * (size_t)(T * K));
+  if (!x || !dy || !wg || !wu || !wd || !wsg || !wsu || !wsd || !idx || !tw) {
+    fprintf(stderr, "mok_run: out of host memory for the inputs of this shape\n");
+    return 1;
+  }
   for (int64_t t = 0; t < T; t++) /* K distinct experts per token, every 17th slot empty */
     for (int64_t k = 0; k < K; k++) {
       idx[t * K + k] = (t * 7 + k * (E / K + 1) + t / 3) % E;
@@ -141,11 +159,7 @@ static int run_cpu(const shape_t *s) {
     }
   for (int64_t t = 0; t < T; t++) /* make rows distinct: bump repeats to the next free expert */
     for (int64_t k = 1; k < K; k++)
-      for (int64_t j = 0; j < k; j++)
-        if (idx[t * K + k] >= 0 && idx[t * K + k] == idx[t * K + j]) {
-          idx[t * K + k] = (idx[t * K + k] + 1) % E;
-          j = -1;
-        }
+      if (idx[t * K + k] >= 0) idx[t * K + k] = next_free_expert(idx + t * K, k, idx[t * K + k], E);
   mok_forward_args_t in = {T, x, idx, tw, {wg, wu, wd, Is ? wsg : NULL, Is ? wsu : NULL, Is ? wsd : NULL, NULL, 0}};
   const char *names[3] = {"bf16", "fp8-block", "mxfp8"};
   result_t ref = {0};
@@ -250,6 +264,11 @@ static int gpu_problem_init(gpu_problem_t *p, shape_t s, int64_t distinct) {
     for (int64_t k = 0; k < K; k++) {
       int32_t e;
       int again;
+      if (k >= E) { /* no distinct expert left (the shapes here have K <= E) */
+        p->idx[t * K + k] = -1;
+        p->tw[t * K + k] = 0.0f;
+        continue;
+      }
       do {
         e = (int32_t)((rnd() + 1.0) * 0.5 * (double)E) % (int32_t)E;
         again = 0;
@@ -441,13 +460,62 @@ static int run_gpu(mok_comm_t comm) {
 
 #endif /* MOK_WITH_CUDA */
 
+static int usage(const char *prog, const char *why) {
+  fprintf(stderr,
+          "%s: %s\n"
+          "usage: %s [T H I E K Is]\n"
+          "  T tokens (also T_max), H hidden, I intermediate, E experts, K experts per token,\n"
+          "  Is shared intermediate (0: none); defaults 256 256 256 8 2 256\n",
+          prog, why, prog);
+  return 2;
+}
+
+/* A whole decimal int64, nothing else. */
+static int parse_i64(const char *s, int64_t *v) {
+  char *end = NULL;
+  errno = 0;
+  const long long x = strtoll(s, &end, 10);
+  if (errno || end == s || *end != '\0') return 0;
+  *v = x;
+  return 1;
+}
+
+/* 1 when the library accepts the shape as a layer (its checks are the contract, mok.h); else 0
+ * with the reason in why. */
+static int shape_ok(const shape_t *s, char *why, size_t n) {
+  mok_comm_t c;
+  mok_layer_t l;
+  if (mok_comm_create_local(&c, MOK_DEVICE_CPU) != MOK_SUCCESS) {
+    snprintf(why, n, "%s", mok_last_error());
+    return 0;
+  }
+  mok_layer_desc_t d = MOK_LAYER_DESC_INIT;
+  d.hidden = s->H, d.intermediate = s->I, d.num_experts = s->E, d.top_k = s->K;
+  d.shared_intermediate = s->Is, d.max_tokens = s->T;
+  const int ok = mok_layer_create(&l, c, &d) == MOK_SUCCESS;
+  if (ok) mok_layer_destroy(l);
+  else snprintf(why, n, "T H I E K Is = %lld %lld %lld %lld %lld %lld: %s", (long long)s->T,
+                (long long)s->H, (long long)s->I, (long long)s->E, (long long)s->K,
+                (long long)s->Is, mok_last_error());
+  mok_comm_destroy(c);
+  return ok;
+}
+
 int main(int argc, char **argv) {
   shape_t s = {256, 256, 256, 8, 2, 256};
   if (argc == 7) {
-    s = (shape_t){atoll(argv[1]), atoll(argv[2]), atoll(argv[3]), atoll(argv[4]), atoll(argv[5]), atoll(argv[6])};
+    int64_t v[6];
+    for (int i = 0; i < 6; i++)
+      if (!parse_i64(argv[i + 1], &v[i])) {
+        char why[128];
+        snprintf(why, sizeof why, "argument %d, \"%s\", is not an integer", i + 1, argv[i + 1]);
+        return usage(argv[0], why);
+      }
+    s = (shape_t){v[0], v[1], v[2], v[3], v[4], v[5]};
+    char why[640];
+    if (!shape_ok(&s, why, sizeof why)) return usage(argv[0], why);
   } else if (argc != 1) {
-    fprintf(stderr, "usage: %s [T H I E K Is]\n", argv[0]);
-    return 2;
+    return usage(argv[0], "expected no arguments or all six");
   }
   printf("MoK %d.%d.%d\n", MOK_VERSION_MAJOR, MOK_VERSION_MINOR, MOK_VERSION_PATCH);
   mok_comm_t gpu;
