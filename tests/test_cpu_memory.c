@@ -84,8 +84,10 @@ static void check_memory(mok_precision_t prec) {
   for (int i = 0; i < 3; i++) {
     w[i] = resident(2 * wn), dw[i] = resident(4 * wn);
     MOK_REQUIRE(w[i] && dw[i]);
-    for (size_t j = 0; j < wn; j++)
-      w[i][j] = mok_bf16_from_float((float)((double)(xorshift64(&rng) >> 11) * 0x1.0p-53 - 0.5) / 32);
+    for (size_t j = 0; j < wn; j++) { /* uniform in [-1/64, 1/64) */
+      const double u = (double)(xorshift64(&rng) >> 11) * 0x1.0p-53;
+      w[i][j] = mok_bf16_from_float((float)((u - 0.5) / 32));
+    }
   }
   MOK_REQUIRE(x && dy && y && dx && tw && dtw && idx && ctx && (!qb || qw));
   for (int64_t i = 0; i < T * H; i++) x[i] = dy[i] = mok_bf16_from_float(0.25f);

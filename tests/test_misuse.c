@@ -64,7 +64,8 @@ MOK_TEST(misuse_comm_destroyed_under_a_live_layer_is_refused) {
   MOK_EXPECT(mok_layer_destroy(b) == MOK_SUCCESS);
   MOK_EXPECT(mok_comm_destroy(c) == MOK_SUCCESS);
   /* Destroyed: refused, not freed again. */
-  MOK_EXPECT(mok_comm_destroy(c) == MOK_ERROR_INVALID_VALUE && msg_has("destroyed or invalid handle"));
+  MOK_EXPECT(mok_comm_destroy(c) == MOK_ERROR_INVALID_VALUE &&
+             msg_has("destroyed or invalid handle"));
   MOK_EXPECT(mok_comm_rank(c, &rank) == MOK_ERROR_INVALID_VALUE);
   mok_layer_t l = (mok_layer_t)0x1;
   MOK_EXPECT(mok_layer_create(&l, c, &d) == MOK_ERROR_INVALID_VALUE && l == NULL);
@@ -195,7 +196,8 @@ MOK_TEST(misuse_small_quantized_buffer_is_refused) {
   MOK_REQUIRE(s->qb > 0);
   /* mok_quantize_weights: the output buffer */
   memset(s->qw, 0xEE, s->qb);
-  MOK_EXPECT(mok_quantize_weights(s->l, &s->a.w, s->qw, s->qb - 1, NULL) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT(mok_quantize_weights(s->l, &s->a.w, s->qw, s->qb - 1, NULL) ==
+             MOK_ERROR_INVALID_VALUE);
   MOK_EXPECT_MSG(msg_has("out_bytes") && names_sizes(s->qb - 1, s->qb), "%s", mok_last_error());
   for (size_t i = 0; i < s->qb; i++) MOK_EXPECT(((unsigned char *)s->qw)[i] == 0xEE);
   MOK_REQUIRE(mok_quantize_weights(s->l, &s->a.w, s->qw, s->qb, NULL) == MOK_SUCCESS);

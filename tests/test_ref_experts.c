@@ -84,7 +84,8 @@ static void check(mok_precision_t prec, int exact, int save) {
     w[r] = full[r];
     w[r].wg = w[r].wu = w[r].wd = w[r].wg_b = w[r].wu_b = w[r].wd_b = NULL; /* never read */
     w[r].experts = &ex;
-    in[r] = (mok_ref_in_t){run.T[r], p.x + off * H, p.idx + off * K, p.tw + off * K, p.dy + off * H};
+    in[r] = (mok_ref_in_t){run.T[r], p.x + off * H, p.idx + off * K, p.tw + off * K,
+                           p.dy + off * H};
     out[r] = (mok_ref_out_t){y + off * H, dx + off * H, dtw + off * K, NULL, NULL, NULL,
                              dws[0] + r * Is * H, dws[1] + r * Is * H, dws[2] + r * Is * H};
     saved[r] = (mok_ref_saved_t){sv[0] + off * K * I, sv[1] + off * K * I, sv[2] + off * Is,

@@ -75,8 +75,8 @@ def load():
         "mok_quantized_weights_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
         "mok_quantize_weights": ([vp, ctypes.POINTER(Weights), vp, sz, vp], res),
         "mok_forward": ([vp, ctypes.POINTER(ForwardArgs), vp, vp, sz, vp], res),
-        "mok_backward": ([vp, ctypes.POINTER(ForwardArgs), ctypes.POINTER(BackwardArgs), vp, sz, vp],
-                         res),
+        "mok_backward": ([vp, ctypes.POINTER(ForwardArgs), ctypes.POINTER(BackwardArgs), vp, sz,
+                          vp], res),
     }
     for name, (argtypes, restype) in sigs.items():
         fn = getattr(lib, name)

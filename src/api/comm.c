@@ -153,7 +153,8 @@ mokResult_t mok_comm_destroy(mok_comm_t comm) {
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "mok_comm_destroy: %d layer%s created on this communicator %s still alive; "
                     "destroy %s with mok_layer_destroy first (the communicator is left intact)",
-                    live, live == 1 ? "" : "s", live == 1 ? "is" : "are", live == 1 ? "it" : "them");
+                    live, live == 1 ? "" : "s", live == 1 ? "is" : "are",
+                    live == 1 ? "it" : "them");
   *(volatile uint64_t *)&comm->magic = 0; /* volatile: not dropped as dead before free() */
 #ifdef MOK_WITH_NCCL
   if (comm->devcomm) mok_nccl_devcomm_destroy(comm->nccl, comm->devcomm);

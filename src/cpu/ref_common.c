@@ -46,7 +46,8 @@ mokResult_t mok_ref_check_cfg(const mok_ref_cfg_t *cfg, char *err, size_t errlen
   const char *why = NULL;
   if (cfg->H <= 0 || cfg->H > MOK_MAX_DIM) why = "hidden size H must be in [1, 2^20]";
   else if (cfg->I <= 0 || cfg->I > MOK_MAX_DIM) why = "intermediate size I must be in [1, 2^20]";
-  else if (cfg->Is < 0 || cfg->Is > MOK_MAX_DIM) why = "shared intermediate size Is must be in [0, 2^20]";
+  else if (cfg->Is < 0 || cfg->Is > MOK_MAX_DIM)
+    why = "shared intermediate size Is must be in [0, 2^20]";
   else if (cfg->W < 1) why = "number of ranks W must be >= 1";
   else if (cfg->E < 1 || cfg->E % cfg->W != 0 || cfg->E > MOK_MAX_NUM_EXPERTS)
     why = "E must be a positive multiple of W, at most 2^16";
