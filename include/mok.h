@@ -183,7 +183,8 @@ typedef struct {
 
 mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_desc_t *desc);
 mokResult_t mok_layer_destroy(mok_layer_t layer);
-/* Detail of the most recent failure on this layer ("" when none). */
+/* Detail of the most recent failure on this layer ("" when none; a fixed message for a destroyed
+ * or invalid handle). */
 const char *mok_layer_last_error(mok_layer_t layer);
 /* Reports an error found asynchronously by a kernel of this layer (MOK_SUCCESS when none) and
  * clears it. Like ncclCommGetAsyncError; synchronizes with the stream of the layer's last
