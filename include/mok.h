@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 1
+#define MOK_VERSION_MINOR 2
 #define MOK_VERSION_PATCH 0
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
@@ -77,6 +77,11 @@ const char *mok_last_error(void);
 typedef struct CUstream_st *mok_stream_t;
 struct ncclComm;
 
+/* Handles. A layer uses its communicator: create the communicator first and destroy it last
+ * (mok_comm_destroy refuses while layers created on it live). Destroying NULL does nothing. A
+ * destroyed handle must not be used again; where its memory has not been reused yet, every call
+ * refuses it (and any pointer that never was a handle) with MOK_ERROR_INVALID_VALUE, "destroyed
+ * or invalid handle", instead of touching it. */
 typedef struct mok_comm *mok_comm_t;
 typedef struct mok_layer *mok_layer_t;
 
@@ -126,6 +131,8 @@ mokResult_t mok_get_unique_id(mok_unique_id_t *id);
 mokResult_t mok_comm_create_unique_id(mok_comm_t *out, const mok_unique_id_t *id, int rank,
                                       int nranks, int device);
 
+/* Fails with MOK_ERROR_INVALID_VALUE, leaving the communicator intact, while layers created on it
+ * are alive (the message says how many): destroy them first. */
 mokResult_t mok_comm_destroy(mok_comm_t comm);
 mokResult_t mok_comm_rank(mok_comm_t comm, int *rank);
 mokResult_t mok_comm_size(mok_comm_t comm, int *nranks);
@@ -136,8 +143,12 @@ mokResult_t mok_comm_device(mok_comm_t comm, int *device);
 /* ---------------------------------------------------------------------------------------------- */
 
 /* Constraints checked by mok_layer_create: H, I and Is (when not 0) are positive multiples of 128
- * (Is may be 0); 1 <= K <= min(E, 64); E % W == 0; 1 <= T_max <= 2^24; capacity_factor is 0 or in
- * (0, W]; comm_sms >= 0. */
+ * (Is may be 0), at most 2^20; 1 <= E <= 2^16 with E % W == 0; 1 <= K <= min(E, 64);
+ * 1 <= T_max <= 2^24; capacity_factor is 0 or in (0, W], and the routed rows a rank can receive,
+ * ceil(capacity_factor * T_max * K) (capacity_factor 0: W), are below 2^31; comm_sms >= 0.
+ * Within these bounds every size the library computes (context, workspace, quantized weights)
+ * fits in 64 bits; a descriptor outside them gives MOK_ERROR_INVALID_SHAPE (MOK_ERROR_INVALID_VALUE
+ * for T_max) naming the field and the numbers. */
 typedef struct {
   size_t struct_size;              /* sizeof(mok_layer_desc_t); set by MOK_LAYER_DESC_INIT */
   int version;                     /* MOK_VERSION_CODE; set by MOK_LAYER_DESC_INIT */
@@ -166,7 +177,8 @@ typedef struct {
 
 mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_desc_t *desc);
 mokResult_t mok_layer_destroy(mok_layer_t layer);
-/* Detail of the most recent failure on this layer ("" when none). */
+/* Detail of the most recent failure on this layer ("" when none; a fixed message for a destroyed
+ * or invalid handle). */
 const char *mok_layer_last_error(mok_layer_t layer);
 /* Reports an error found asynchronously by a kernel of this layer (MOK_SUCCESS when none) and
  * clears it. Like ncclCommGetAsyncError; synchronizes with the stream of the layer's last
@@ -186,7 +198,9 @@ mokResult_t mok_context_size(mok_layer_t layer, size_t *bytes);
 mokResult_t mok_quantized_weights_size(mok_layer_t layer, size_t *bytes);
 
 /* The layer's weights on this rank. BF16 layers read the bf16 pointers; fp8 layers read only
- * `quantized`, the buffer filled by mok_quantize_weights from the bf16 weights. */
+ * `quantized`, the buffer filled by mok_quantize_weights from the bf16 weights, whose size the
+ * caller states in `quantized_bytes` (at least mok_quantized_weights_size; BF16 layers ignore it;
+ * new in version 0.2). */
 typedef struct {
   const void *wg;        /* [EL, I, H] bf16 routed gate projection */
   const void *wu;        /* [EL, I, H] bf16 routed up projection */
@@ -195,13 +209,15 @@ typedef struct {
   const void *wsu;       /* [Is, H] bf16 shared up */
   const void *wsd;       /* [H, Is] bf16 shared down */
   const void *quantized; /* fp8 layers: mok_quantized_weights_size bytes from mok_quantize_weights */
+  size_t quantized_bytes; /* bytes of the `quantized` buffer */
 } mok_weights_t;
 
-/* Quantizes the bf16 weights into `out` (mok_quantized_weights_size bytes) in the library's layout:
- * e4m3 values and scales of every GEMM operand, including the transposed copies that backward reads
- * (FP8 wgmma reads both operands K-major). The quantizer is mok_quantize_host's, bit for bit. */
+/* Quantizes the bf16 weights into `out` (out_bytes >= mok_quantized_weights_size) in the library's
+ * layout: e4m3 values and scales of every GEMM operand, including the transposed copies that
+ * backward reads (FP8 wgmma reads both operands K-major). The quantizer is mok_quantize_host's,
+ * bit for bit. */
 mokResult_t mok_quantize_weights(mok_layer_t layer, const mok_weights_t *w, void *out,
-                                 mok_stream_t stream);
+                                 size_t out_bytes, mok_stream_t stream);
 
 typedef struct {
   int64_t num_tokens;      /* T on this rank, 0 <= T <= T_max */
@@ -221,15 +237,21 @@ typedef struct {
   void *dwsd;        /* [H, Is] */
 } mok_backward_args_t;
 
-/* y[T, H] = the MoE layer on this rank's tokens. Writes `ctx` (mok_context_size bytes; may be NULL
- * when that size is 0) for backward. Asynchronous on `stream` for GPU layers; on a CPU layer the
- * call runs to completion and `stream` must be NULL. */
-mokResult_t mok_forward(mok_layer_t layer, const mok_forward_args_t *args, void *y, void *ctx,
-                        mok_stream_t stream);
+/* Buffers whose size the library cannot derive from the arguments come with their size: a
+ * smaller buffer than needed is refused with MOK_ERROR_INVALID_VALUE naming both sizes (the
+ * tensors of the argument structs have the shapes above, set by num_tokens and the descriptor). */
 
-/* Gradients of the layer for dy, given the same forward arguments and the context forward wrote. */
+/* y[T, H] = the MoE layer on this rank's tokens. Writes `ctx`, a buffer of ctx_bytes >=
+ * mok_context_size bytes, for backward. Asynchronous on `stream` for GPU layers; on a CPU layer
+ * the call runs to completion and `stream` must be NULL. */
+mokResult_t mok_forward(mok_layer_t layer, const mok_forward_args_t *args, void *y, void *ctx,
+                        size_t ctx_bytes, mok_stream_t stream);
+
+/* Gradients of the layer for dy, given the same forward arguments and the context forward wrote
+ * (ctx_bytes >= mok_context_size bytes). */
 mokResult_t mok_backward(mok_layer_t layer, const mok_forward_args_t *args,
-                         const mok_backward_args_t *grads, const void *ctx, mok_stream_t stream);
+                         const mok_backward_args_t *grads, const void *ctx, size_t ctx_bytes,
+                         mok_stream_t stream);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Quantizers, defined bit-exactly (the GPU kernels reproduce them bit for bit)                    */

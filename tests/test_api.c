@@ -25,6 +25,7 @@ typedef struct {
   uint16_t *y, *dx;
   float *dtw, *dw[6];
   void *qw;
+  size_t qb; /* bytes of qw */
   mok_forward_args_t a;
   mok_backward_args_t g;
 } fixture_t;
@@ -54,10 +55,12 @@ static mokResult_t fixture_init(fixture_t *f, mok_precision_t prec, int64_t Is, 
   f->qw = qb ? test_alloc(qb) : NULL;
   f->a = test_forward_args(T, f->p.x, f->p.idx, f->p.tw, test_problem_weights(&f->p));
   f->a.w.quantized = f->qw;
+  f->a.w.quantized_bytes = qb;
+  f->qb = qb;
   void *dw[6];
   for (int i = 0; i < 6; i++) dw[i] = f->dw[i];
   f->g = test_backward_args(T, f->p.dy, f->dx, f->dtw, dw, Is > 0);
-  if (qb) r = mok_quantize_weights(f->c.l, &f->a.w, f->qw, NULL);
+  if (qb) r = mok_quantize_weights(f->c.l, &f->a.w, f->qw, qb, NULL);
   return r;
 }
 
@@ -177,38 +180,38 @@ MOK_TEST(api_forward_validates_arguments) {
   const size_t ybytes = 2 * 6 * 128;
   memset(f.y, 0xAB, ybytes);
   mok_forward_args_t a;
-  MOK_EXPECT(mok_forward(NULL, &f.a, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER);
-  MOK_EXPECT(mok_forward(f.c.l, NULL, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER);
-  MOK_EXPECT(mok_forward(f.c.l, &f.a, NULL, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_forward(NULL, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_forward(f.c.l, NULL, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_forward(f.c.l, &f.a, NULL, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("y"));
-  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, NULL, NULL) == MOK_ERROR_NULL_POINTER && msg_has("ctx"));
-  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, (mok_stream_t)0x1) == MOK_ERROR_INVALID_VALUE &&
+  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, NULL, 0, NULL) == MOK_ERROR_NULL_POINTER && msg_has("ctx"));
+  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, (mok_stream_t)0x1) == MOK_ERROR_INVALID_VALUE &&
              msg_has("stream"));
   a = f.a, a.x = NULL;
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("args.x"));
   a = f.a, a.topk_idx = NULL;
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("topk_idx"));
   a = f.a, a.topk_w = NULL;
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("topk_w"));
   a = f.a, a.w.wd = NULL;
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wd"));
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER && msg_has("wd"));
   a = f.a, a.w.wsu = NULL; /* the shared expert exists (Is = 128): its weights are required */
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("wsu"));
   a = f.a, a.x = (const char *)f.p.x + 2;
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_MISALIGNED &&
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_MISALIGNED &&
              msg_has("args.x"));
   a = f.a, a.topk_idx = (const int32_t *)((const char *)f.p.idx + 1);
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_MISALIGNED);
-  MOK_EXPECT(mok_forward(f.c.l, &f.a, (char *)f.y + 8, f.c.ctx, NULL) == MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_forward(f.c.l, &f.a, (char *)f.y + 8, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_MISALIGNED);
   a = f.a, a.num_tokens = 9; /* T_max = 8 */
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_INVALID_SHAPE &&
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_INVALID_SHAPE &&
              msg_has("num_tokens"));
   a = f.a, a.num_tokens = -1;
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_INVALID_SHAPE);
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_INVALID_SHAPE);
   MOK_EXPECT(test_bytes_not(f.y, ybytes, 0xAB) == 0);
   /* The layer keeps the detail of its last failure. */
   MOK_EXPECT(strstr(mok_layer_last_error(f.c.l), "num_tokens") != NULL);
@@ -221,11 +224,11 @@ MOK_TEST(api_bad_routing_is_reported_and_leaves_outputs_intact) {
   const size_t ybytes = 2 * 6 * 128;
   memset(f.y, 0xCD, ybytes);
   f.p.idx[5] = 4; /* E = 4: out of range */
-  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_ERROR_INVALID_ROUTING);
+  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_INVALID_ROUTING);
   f.p.idx[5] = -2;
-  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_ERROR_INVALID_ROUTING);
+  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_INVALID_ROUTING);
   f.p.idx[5] = f.p.idx[4]; /* token 2: the same expert in both slots */
-  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_ERROR_INVALID_ROUTING);
+  MOK_EXPECT(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_INVALID_ROUTING);
   MOK_EXPECT(test_bytes_not(f.y, ybytes, 0xCD) == 0);
   fixture_free(&f);
 }
@@ -238,12 +241,12 @@ MOK_TEST(api_capacity_overflow_is_reported) {
   d.capacity_factor = 0.5; /* 0.5 x T_max 8 x K 2 = 8 rows; the fixture routes more */
   MOK_REQUIRE(mok_layer_create(&small, f.c.comm, &d) == MOK_SUCCESS);
   memset(f.y, 0xEE, 2 * 8 * 128);
-  MOK_EXPECT(mok_forward(small, &f.a, f.y, f.c.ctx, NULL) == MOK_ERROR_CAPACITY_OVERFLOW &&
+  MOK_EXPECT(mok_forward(small, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_CAPACITY_OVERFLOW &&
              msg_has("capacity"));
   MOK_EXPECT(test_bytes_not(f.y, 2 * 8 * 128, 0xEE) == 0);
   mok_forward_args_t a = f.a;
   a.num_tokens = 4; /* 4 tokens route fewer than 8 rows: fits */
-  MOK_EXPECT(mok_forward(small, &a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_forward(small, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   mok_layer_destroy(small);
   fixture_free(&f);
 }
@@ -253,27 +256,27 @@ MOK_TEST(api_backward_validates_arguments_and_context) {
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 128, 6) == MOK_SUCCESS);
   mok_backward_args_t g;
   /* Backward before any forward: the context is not one of this layer. */
-  MOK_EXPECT(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
-  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
-  MOK_EXPECT(mok_backward(f.c.l, &f.a, NULL, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
+  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(f.c.l, &f.a, NULL, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER);
   g = f.g, g.dy = NULL;
-  MOK_EXPECT(mok_backward(f.c.l, &f.a, &g, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_backward(f.c.l, &f.a, &g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("dy"));
   g = f.g, g.dwsd = NULL;
-  MOK_EXPECT(mok_backward(f.c.l, &f.a, &g, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_backward(f.c.l, &f.a, &g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("dwsd"));
   g = f.g, g.dwg = (char *)f.dw[0] + 4;
-  MOK_EXPECT(mok_backward(f.c.l, &f.a, &g, f.c.ctx, NULL) == MOK_ERROR_MISALIGNED &&
+  MOK_EXPECT(mok_backward(f.c.l, &f.a, &g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_MISALIGNED &&
              msg_has("dwg"));
   mok_forward_args_t a = f.a;
   a.num_tokens = 5; /* not the forward's tokens */
-  MOK_EXPECT(mok_backward(f.c.l, &a, &f.g, f.c.ctx, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
+  MOK_EXPECT(mok_backward(f.c.l, &a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_CONTEXT_MISMATCH);
   int32_t saved = f.p.idx[0];
   f.p.idx[0] = (f.p.idx[0] + 2) % 4 == f.p.idx[1] ? (f.p.idx[0] + 3) % 4 : (f.p.idx[0] + 2) % 4;
-  MOK_EXPECT(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, NULL) == MOK_ERROR_CONTEXT_MISMATCH &&
+  MOK_EXPECT(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_CONTEXT_MISMATCH &&
              msg_has("routing"));
   f.p.idx[0] = saved;
-  MOK_EXPECT(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   fixture_free(&f);
 }
 
@@ -320,9 +323,9 @@ static void check_api_matches_reference(mok_precision_t prec, mok_context_mode_t
     mok_layer_destroy(f.c.l);
     f.c.l = l2;
   }
-  MOK_REQUIRE_MSG(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS, "%s",
+  MOK_REQUIRE_MSG(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS, "%s",
                   mok_last_error());
-  MOK_REQUIRE_MSG(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, NULL) == MOK_SUCCESS, "%s",
+  MOK_REQUIRE_MSG(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS, "%s",
                   mok_last_error());
   const int64_t T = 7, H = 128, n[6] = {4 * 128 * 128, 4 * 128 * 128, 4 * 128 * 128, Is * H, Is * H, H * Is};
   double *y = calloc((size_t)(T * H), 8), *dx = calloc((size_t)(T * H), 8), *dtw = calloc(14, 8), *dw[6];
@@ -359,19 +362,19 @@ MOK_TEST(api_cpu_backend_matches_reference_fp8) {
 MOK_TEST(api_fp8_reads_quantized_buffer) {
   fixture_t f;
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_FP8_BLOCK, 0, 4) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   uint16_t *y1 = malloc(2 * 4 * 128);
   memcpy(y1, f.y, 2 * 4 * 128);
   for (int64_t i = 0; i < 4 * 128 * 128; i++)
     f.p.wg[i] = mok_bf16_from_float(0.5f * mok_bf16_to_float(f.p.wg[i]));
-  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   MOK_EXPECT(memcmp(y1, f.y, 2 * 4 * 128) == 0); /* buffer unchanged: same result */
-  MOK_REQUIRE(mok_quantize_weights(f.c.l, &f.a.w, f.qw, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_quantize_weights(f.c.l, &f.a.w, f.qw, f.qb, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   MOK_EXPECT(memcmp(y1, f.y, 2 * 4 * 128) != 0); /* requantized: the halved gate shows */
   mok_forward_args_t a = f.a;
   a.w.quantized = NULL;
-  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_forward(f.c.l, &a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("quantized"));
   free(y1);
   fixture_free(&f);
@@ -383,17 +386,17 @@ MOK_TEST(api_quantize_weights_validates) {
   size_t qb = 1;
   MOK_EXPECT(mok_quantized_weights_size(f.c.l, &qb) == MOK_SUCCESS && qb == 0);
   char buf[64];
-  MOK_EXPECT(mok_quantize_weights(f.c.l, &f.a.w, buf, NULL) == MOK_ERROR_INVALID_VALUE &&
+  MOK_EXPECT(mok_quantize_weights(f.c.l, &f.a.w, buf, sizeof(buf), NULL) == MOK_ERROR_INVALID_VALUE &&
              msg_has("BF16"));
   fixture_free(&f);
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_MXFP8, 128, 2) == MOK_SUCCESS);
   mok_weights_t w = f.a.w;
   w.wsg = NULL;
-  MOK_EXPECT(mok_quantize_weights(f.c.l, &w, f.qw, NULL) == MOK_ERROR_NULL_POINTER &&
+  MOK_EXPECT(mok_quantize_weights(f.c.l, &w, f.qw, f.qb, NULL) == MOK_ERROR_NULL_POINTER &&
              msg_has("wsg"));
-  MOK_EXPECT(mok_quantize_weights(f.c.l, &f.a.w, NULL, NULL) == MOK_ERROR_NULL_POINTER);
-  MOK_EXPECT(mok_quantize_weights(f.c.l, &f.a.w, (char *)f.qw + 1, NULL) == MOK_ERROR_MISALIGNED);
-  MOK_EXPECT(mok_quantize_weights(f.c.l, NULL, f.qw, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_quantize_weights(f.c.l, &f.a.w, NULL, f.qb, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_quantize_weights(f.c.l, &f.a.w, (char *)f.qw + 1, f.qb, NULL) == MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_quantize_weights(f.c.l, NULL, f.qw, f.qb, NULL) == MOK_ERROR_NULL_POINTER);
   fixture_free(&f);
 }
 
@@ -402,8 +405,8 @@ MOK_TEST(api_wgrad_dtype_and_accumulate) {
   fixture_t f;
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 0, 6) == MOK_SUCCESS);
   const int64_t n = 4 * 128 * 128;
-  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   float *once = malloc(sizeof(float) * (size_t)n);
   memcpy(once, f.dw[1], sizeof(float) * (size_t)n);
   int bad = 0;
@@ -412,8 +415,8 @@ MOK_TEST(api_wgrad_dtype_and_accumulate) {
   d.wgrad_accumulate = 1;
   mok_layer_t acc;
   MOK_REQUIRE(mok_layer_create(&acc, f.c.comm, &d) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_forward(acc, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_backward(acc, &f.a, &f.g, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(acc, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_backward(acc, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   for (int64_t i = 0; i < n; i++) bad += f.dw[1][i] != once[i] + once[i];
   MOK_EXPECT_MSG(bad == 0, "fp32 accumulate: %d differ", bad);
   mok_layer_destroy(acc);
@@ -422,8 +425,8 @@ MOK_TEST(api_wgrad_dtype_and_accumulate) {
   mok_layer_t b16;
   MOK_REQUIRE(mok_layer_create(&b16, f.c.comm, &d) == MOK_SUCCESS);
   memset(f.dw[1], 0x5A, sizeof(float) * (size_t)n);
-  MOK_REQUIRE(mok_forward(b16, &f.a, f.y, f.c.ctx, NULL) == MOK_SUCCESS);
-  MOK_REQUIRE(mok_backward(b16, &f.a, &f.g, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_forward(b16, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(mok_backward(b16, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   const uint16_t *h = (const uint16_t *)f.dw[1];
   bad = 0;
   for (int64_t i = 0; i < n; i++) bad += h[i] != mok_bf16_from_float(once[i]);
@@ -485,11 +488,11 @@ MOK_TEST(api_zero_tokens) {
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 128, 3) == MOK_SUCCESS);
   mok_forward_args_t a = f.a;
   a.num_tokens = 0, a.x = NULL, a.topk_idx = NULL, a.topk_w = NULL;
-  MOK_EXPECT(mok_forward(f.c.l, &a, NULL, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_forward(f.c.l, &a, NULL, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   mok_backward_args_t g = f.g;
   g.dy = NULL, g.dx = NULL, g.dtopk_w = NULL;
   memset(f.dw[0], 0x7F, 4 * 128 * 128 * sizeof(float));
-  MOK_EXPECT(mok_backward(f.c.l, &a, &g, f.c.ctx, NULL) == MOK_SUCCESS);
+  MOK_EXPECT(mok_backward(f.c.l, &a, &g, f.c.ctx, f.c.ctx_bytes, NULL) == MOK_SUCCESS);
   /* no rows: zero gradients */
   MOK_EXPECT(test_bytes_not(f.dw[0], 4 * 128 * 128 * sizeof(float), 0) == 0);
   fixture_free(&f);

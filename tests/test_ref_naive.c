@@ -31,7 +31,7 @@ static void hand_case(int exact, double *y, double *dx, double *dtw, double *dwg
   const double x = 1.0, wg = 2.0, wu = 1.0, wd = 1.0, tw = 0.5, dy = 1.0;
   const int32_t idx = 0;
   mok_ref_cfg_t cfg = {1, 1, 1, 1, 0, 1, MOK_PRECISION_BF16, MOK_FP8_SCALE_FP32, exact, 1};
-  mok_ref_weights_t w = {&wg, &wu, &wd, &wg, &wu, &wd, NULL, NULL, NULL, NULL, NULL, NULL};
+  mok_ref_weights_t w = {&wg, &wu, &wd, &wg, &wu, &wd, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
   mok_ref_in_t in = {1, &x, &idx, &tw, &dy};
   mok_ref_out_t out = {y, dx, dtw, dwg, dwu, dwd, NULL, NULL, NULL};
   char err[256];

@@ -10,8 +10,11 @@
  * arguments, random numbers and timers come from the tests' fixtures (tests/support).
  *
  * Usage: mok_run [T H I E K Is]   (defaults: 256 256 256 8 2 256 on the CPU)
+ * Arguments that are not integers, or a shape the library refuses (mok_layer_create's checks:
+ * K > E, H not a multiple of 128, ...), print the usage and the reason and exit with status 2.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,8 +73,9 @@ static mokResult_t run_layer(mok_comm_t comm, const shape_t *s, mok_precision_t 
   void *qw = qw_bytes ? aligned_alloc(256, (qw_bytes + 255) / 256 * 256) : NULL;
   mok_forward_args_t a = *in;
   if (qw) {
-    CHECK(mok_quantize_weights(l, &a.w, qw, NULL));
+    CHECK(mok_quantize_weights(l, &a.w, qw, qw_bytes, NULL));
     a.w.quantized = qw;
+    a.w.quantized_bytes = qw_bytes;
   }
   const int64_t EL = s->E, wsz[6] = {EL * s->I * s->H, EL * s->I * s->H, EL * s->H * s->I,
                                     s->Is * s->H, s->Is * s->H, s->H * s->Is};
@@ -83,9 +87,9 @@ static mokResult_t run_layer(mok_comm_t comm, const shape_t *s, mok_precision_t 
     dw[i] = res->dw[i] = test_alloc(sizeof(float) * (size_t)(wsz[i] + 16));
   const mok_backward_args_t g = test_backward_args(s->T, dy, res->dx, res->dtopk_w, dw, s->Is > 0);
   double t0 = test_now_s();
-  CHECK(mok_forward(l, &a, res->y, ctx, NULL));
+  CHECK(mok_forward(l, &a, res->y, ctx, ctx_bytes, NULL));
   double t1 = test_now_s();
-  CHECK(mok_backward(l, &a, &g, ctx, NULL));
+  CHECK(mok_backward(l, &a, &g, ctx, ctx_bytes, NULL));
   res->fwd_s = t1 - t0;
   res->bwd_s = test_now_s() - t1;
   free(ctx);
@@ -115,6 +119,17 @@ static int all_finite(const uint16_t *a, int64_t n) {
   return 1;
 }
 
+/* The first expert id from e on (cyclically) that none of row[0..k) uses; -1 when all E are used
+ * (K > E: without this bound the search never ended). */
+static int32_t next_free_expert(const int32_t *row, int64_t k, int32_t e, int64_t E) {
+  for (int64_t tries = 0; tries < E; tries++, e = (int32_t)((e + 1) % E)) {
+    int taken = 0;
+    for (int64_t j = 0; j < k; j++) taken |= row[j] == e;
+    if (!taken) return e;
+  }
+  return -1;
+}
+
 static int run_cpu(const shape_t *s) {
   mok_comm_t comm;
   if (mok_comm_create_local(&comm, MOK_DEVICE_CPU) != MOK_SUCCESS) {
@@ -129,6 +144,10 @@ static int run_cpu(const shape_t *s) {
   uint16_t *wsd = bf16_random(H * Is + 1, 1 / sqrt((double)(Is ? Is : 1)));
   int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * K));
   float *tw = malloc(sizeof(float) * (size_t)(T * K));
+  if (!x || !dy || !wg || !wu || !wd || !wsg || !wsu || !wsd || !idx || !tw) {
+    fprintf(stderr, "mok_run: out of host memory for the inputs of this shape\n");
+    return 1;
+  }
   for (int64_t t = 0; t < T; t++) /* K distinct experts per token, every 17th slot empty */
     for (int64_t k = 0; k < K; k++) {
       idx[t * K + k] = (t * 7 + k * (E / K + 1) + t / 3) % E;
@@ -137,12 +156,8 @@ static int run_cpu(const shape_t *s) {
     }
   for (int64_t t = 0; t < T; t++) /* make rows distinct: bump repeats to the next free expert */
     for (int64_t k = 1; k < K; k++)
-      for (int64_t j = 0; j < k; j++)
-        if (idx[t * K + k] >= 0 && idx[t * K + k] == idx[t * K + j]) {
-          idx[t * K + k] = (idx[t * K + k] + 1) % E;
-          j = -1;
-        }
-  mok_weights_t w = {wg, wu, wd, Is ? wsg : NULL, Is ? wsu : NULL, Is ? wsd : NULL, NULL};
+      if (idx[t * K + k] >= 0) idx[t * K + k] = next_free_expert(idx + t * K, k, idx[t * K + k], E);
+  mok_weights_t w = {wg, wu, wd, Is ? wsg : NULL, Is ? wsu : NULL, Is ? wsd : NULL, NULL, 0};
   const mok_forward_args_t in = test_forward_args(T, x, idx, tw, w);
   const char *names[3] = {"bf16", "fp8-block", "mxfp8"};
   result_t ref = {0};
@@ -249,6 +264,11 @@ static int gpu_problem_init(gpu_problem_t *p, shape_t s, int64_t distinct) {
     for (int64_t k = 0; k < K; k++) {
       int32_t e;
       int again;
+      if (k >= E) { /* no distinct expert left (the shapes here have K <= E) */
+        p->idx[t * K + k] = -1;
+        p->tw[t * K + k] = 0.0f;
+        continue;
+      }
       do {
         e = (int32_t)((rnd() + 1.0) * 0.5 * (double)E) % (int32_t)E;
         again = 0;
@@ -263,7 +283,7 @@ static int gpu_problem_init(gpu_problem_t *p, shape_t s, int64_t distinct) {
 /* A GPU layer (tests/support/gpu.h) with p's inputs and weights. 1 on failure (printed). */
 static int gpu_job_open(test_gpu_layer_t *j, const gpu_problem_t *p) {
   const mok_layer_desc_t d = shape_desc(&p->s);
-  const mok_weights_t w = {p->w[0], p->w[1], p->w[2], p->w[3], p->w[4], p->w[5], NULL};
+  const mok_weights_t w = {p->w[0], p->w[1], p->w[2], p->w[3], p->w[4], p->w[5], NULL, 0};
   return !test_gpu_layer_open(j, &d, p->x, p->idx, p->tw, &w);
 }
 
@@ -280,8 +300,8 @@ static int median_ms(const test_gpu_layer_t *j, int64_t T, const mok_backward_ar
   float ms[10];
   for (int it = 0; it < 13; it++) {
     GPU_CHECK(cudaEventRecord(ev[0], NULL));
-    if (g) MOK_OK(mok_backward(j->l, &a, g, j->ctx, NULL));
-    else MOK_OK(mok_forward(j->l, &a, j->y, j->ctx, NULL));
+    if (g) MOK_OK(mok_backward(j->l, &a, g, j->ctx, j->ctx_bytes, NULL));
+    else MOK_OK(mok_forward(j->l, &a, j->y, j->ctx, j->ctx_bytes, NULL));
     GPU_CHECK(cudaEventRecord(ev[1], NULL));
     GPU_CHECK(cudaEventSynchronize(ev[1]));
     if (it >= 3) GPU_CHECK(cudaEventElapsedTime(&ms[it - 3], ev[0], ev[1]));
@@ -312,9 +332,9 @@ static int run_gpu(void) {
     const mok_layer_desc_t d = shape_desc(&s);
     test_cpu_layer_t c;
     MOK_OK(test_cpu_layer_open(&c, &d));
-    const mok_weights_t w = {p.w[0], p.w[1], p.w[2], p.w[3], p.w[4], p.w[5], NULL};
+    const mok_weights_t w = {p.w[0], p.w[1], p.w[2], p.w[3], p.w[4], p.w[5], NULL, 0};
     const mok_forward_args_t a = test_forward_args(s.T, p.x, p.idx, p.tw, w);
-    MOK_OK(mok_forward(c.l, &a, ref, c.ctx, NULL));
+    MOK_OK(mok_forward(c.l, &a, ref, c.ctx, c.ctx_bytes, NULL));
     /* bf16 noise of yk, a and y (one rounding each, ~2^-9 relative rms) and fp32 order: ~0.3%;
      * 1% flags a wrong row or expert, not noise. tests/gpu/test_forward.cu checks elementwise. */
     const double err = rel_err(y, ref, s.T * s.H);
@@ -393,13 +413,62 @@ static int run_gpu(void) { return 0; }
 
 #endif /* MOK_WITH_CUDA */
 
+static int usage(const char *prog, const char *why) {
+  fprintf(stderr,
+          "%s: %s\n"
+          "usage: %s [T H I E K Is]\n"
+          "  T tokens (also T_max), H hidden, I intermediate, E experts, K experts per token,\n"
+          "  Is shared intermediate (0: none); defaults 256 256 256 8 2 256\n",
+          prog, why, prog);
+  return 2;
+}
+
+/* A whole decimal int64, nothing else. */
+static int parse_i64(const char *s, int64_t *v) {
+  char *end = NULL;
+  errno = 0;
+  const long long x = strtoll(s, &end, 10);
+  if (errno || end == s || *end != '\0') return 0;
+  *v = x;
+  return 1;
+}
+
+/* 1 when the library accepts the shape as a layer (its checks are the contract, mok.h); else 0
+ * with the reason in why. */
+static int shape_ok(const shape_t *s, char *why, size_t n) {
+  mok_comm_t c;
+  mok_layer_t l;
+  if (mok_comm_create_local(&c, MOK_DEVICE_CPU) != MOK_SUCCESS) {
+    snprintf(why, n, "%s", mok_last_error());
+    return 0;
+  }
+  mok_layer_desc_t d = MOK_LAYER_DESC_INIT;
+  d.hidden = s->H, d.intermediate = s->I, d.num_experts = s->E, d.top_k = s->K;
+  d.shared_intermediate = s->Is, d.max_tokens = s->T;
+  const int ok = mok_layer_create(&l, c, &d) == MOK_SUCCESS;
+  if (ok) mok_layer_destroy(l);
+  else snprintf(why, n, "T H I E K Is = %lld %lld %lld %lld %lld %lld: %s", (long long)s->T,
+                (long long)s->H, (long long)s->I, (long long)s->E, (long long)s->K,
+                (long long)s->Is, mok_last_error());
+  mok_comm_destroy(c);
+  return ok;
+}
+
 int main(int argc, char **argv) {
   shape_t s = {256, 256, 256, 8, 2, 256};
   if (argc == 7) {
-    s = (shape_t){atoll(argv[1]), atoll(argv[2]), atoll(argv[3]), atoll(argv[4]), atoll(argv[5]), atoll(argv[6])};
+    int64_t v[6];
+    for (int i = 0; i < 6; i++)
+      if (!parse_i64(argv[i + 1], &v[i])) {
+        char why[128];
+        snprintf(why, sizeof why, "argument %d, \"%s\", is not an integer", i + 1, argv[i + 1]);
+        return usage(argv[0], why);
+      }
+    s = (shape_t){v[0], v[1], v[2], v[3], v[4], v[5]};
+    char why[640];
+    if (!shape_ok(&s, why, sizeof why)) return usage(argv[0], why);
   } else if (argc != 1) {
-    fprintf(stderr, "usage: %s [T H I E K Is]\n", argv[0]);
-    return 2;
+    return usage(argv[0], "expected no arguments or all six");
   }
   printf("MoK %d.%d.%d\n", MOK_VERSION_MAJOR, MOK_VERSION_MINOR, MOK_VERSION_PATCH);
   mok_comm_t gpu; /* a communicator on GPU 0 exists when the GPU part can run */

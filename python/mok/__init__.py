@@ -40,6 +40,15 @@ def float32_from_bf16(b):
     return (np.ascontiguousarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _nbytes(t):
+    """The size in bytes of a numpy array or torch tensor (0 for None)."""
+    if t is None:
+        return 0
+    if hasattr(t, "data_ptr"):
+        return t.numel() * t.element_size()
+    return t.nbytes
+
+
 def _ptr(t):
     """The data pointer of a numpy array or torch tensor (None stays None)."""
     if t is None:
@@ -128,14 +137,15 @@ class Layer:
     @staticmethod
     def _weights(w, quantized=None):
         get = (lambda k: _ptr(w.get(k))) if isinstance(w, dict) else (lambda k: None)
-        return Weights(*(get(k) for k in ("wg", "wu", "wd", "wsg", "wsu", "wsd")), _ptr(quantized))
+        return Weights(*(get(k) for k in ("wg", "wu", "wd", "wsg", "wsu", "wsd")), _ptr(quantized),
+                       _nbytes(quantized))
 
     def quantize_weights(self, w, out):
         """Fills `out` (quantized_weights_bytes() bytes, 16-byte aligned) from the bf16 weights."""
         _check.weights(self._dims, w)
         _check.buffer("out", out, self.ordinal, self._dims.quantized_bytes, out=True)
         check(self._lib.mok_quantize_weights(self._layer, ctypes.byref(self._weights(w)),
-                                             _ptr(out), None))
+                                             _ptr(out), _nbytes(out), None))
 
     def _args(self, x, topk_idx, topk_w, w, quantized):
         return ForwardArgs(x.shape[0], _ptr(x), _ptr(topk_idx), _ptr(topk_w),
@@ -146,7 +156,8 @@ class Layer:
         T = _check.forward(self._dims, x, topk_idx, topk_w, w, quantized)
         _check.outputs(self._dims, T, y, ctx)
         a = self._args(x, topk_idx, topk_w, w, quantized)
-        check(self._lib.mok_forward(self._layer, ctypes.byref(a), _ptr(y), _ptr(ctx), stream))
+        check(self._lib.mok_forward(self._layer, ctypes.byref(a), _ptr(y), _ptr(ctx), _nbytes(ctx),
+                                    stream))
 
     def backward(self, x, topk_idx, topk_w, w, ctx, dy, grads, quantized=None, stream=None):
         """grads: dict with dx, dtopk_w, dwg, dwu, dwd (and dwsg, dwsu, dwsd with a shared expert)."""
@@ -155,4 +166,5 @@ class Layer:
         a = self._args(x, topk_idx, topk_w, w, quantized)
         g = BackwardArgs(_ptr(dy), *(_ptr(grads.get(k)) for k in
                                      ("dx", "dtopk_w", "dwg", "dwu", "dwd", "dwsg", "dwsu", "dwsd")))
-        check(self._lib.mok_backward(self._layer, ctypes.byref(a), ctypes.byref(g), _ptr(ctx), stream))
+        check(self._lib.mok_backward(self._layer, ctypes.byref(a), ctypes.byref(g), _ptr(ctx),
+                                     _nbytes(ctx), stream))

@@ -13,7 +13,7 @@ RESULTS = [
 ]
 PRECISIONS = {"bf16": 0, "fp8-block": 1, "mxfp8": 2}
 DEVICE_CPU = -1
-VERSION_CODE = 100  # MOK_VERSION_CODE of the header these structs mirror
+VERSION_CODE = 200  # MOK_VERSION_CODE of the header these structs mirror
 
 
 class MokError(RuntimeError):
@@ -37,7 +37,8 @@ class LayerDesc(ctypes.Structure):
 
 
 class Weights(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_void_p) for n in ("wg", "wu", "wd", "wsg", "wsu", "wsd", "quantized")]
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("wg", "wu", "wd", "wsg", "wsu", "wsd", "quantized")]
+                + [("quantized_bytes", ctypes.c_size_t)])
 
 
 class ForwardArgs(ctypes.Structure):
@@ -60,7 +61,7 @@ def _find_library():
 
 def load():
     lib = ctypes.CDLL(_find_library())
-    vp, res = ctypes.c_void_p, ctypes.c_int
+    vp, res, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     sigs = {
         "mok_version": ([], ctypes.c_int),
         "mok_error_string": ([res], ctypes.c_char_p),
@@ -72,9 +73,10 @@ def load():
         "mok_layer_check": ([vp], res),
         "mok_context_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
         "mok_quantized_weights_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
-        "mok_quantize_weights": ([vp, ctypes.POINTER(Weights), vp, vp], res),
-        "mok_forward": ([vp, ctypes.POINTER(ForwardArgs), vp, vp, vp], res),
-        "mok_backward": ([vp, ctypes.POINTER(ForwardArgs), ctypes.POINTER(BackwardArgs), vp, vp], res),
+        "mok_quantize_weights": ([vp, ctypes.POINTER(Weights), vp, sz, vp], res),
+        "mok_forward": ([vp, ctypes.POINTER(ForwardArgs), vp, vp, sz, vp], res),
+        "mok_backward": ([vp, ctypes.POINTER(ForwardArgs), ctypes.POINTER(BackwardArgs), vp, sz,
+                          vp], res),
     }
     for name, (argtypes, restype) in sigs.items():
         fn = getattr(lib, name)

@@ -19,17 +19,27 @@
 extern "C" { /* the CUDA launchers report errors through mok_fail */
 #endif
 
+/* Handles carry a magic word, checked at every entry point and cleared before the handle is
+ * freed, so a destroyed handle is refused wherever its memory has not been reused yet.
+ * NOTE: the magic sits past the first 32 bytes of each struct: free() keeps its free-list links
+ * at the start of a freed block, which would overwrite a magic there. */
+#define MOK_COMM_MAGIC 0x316d6d6f436b6f6dull  /* "mokComm1" */
+#define MOK_LAYER_MAGIC 0x3172796c4c6b6f6dull /* "mokLlyr1" */
+
 struct mok_comm {
   int device; /* CUDA ordinal, or MOK_DEVICE_CPU */
   int rank, nranks;
-  void *nccl;    /* ncclComm_t; NULL for a local communicator */
   int owns_nccl; /* created from a unique id: destroyed with this communicator */
+  void *nccl;    /* ncclComm_t; NULL for a local communicator */
   void *devcomm; /* NCCL device communicator: exists only where symmetric memory works */
+  uint64_t magic;  /* MOK_COMM_MAGIC while the communicator lives */
+  int live_layers; /* layers created on it and not destroyed (__atomic builtins) */
 };
 
 struct mok_layer {
   mok_comm_t comm;
   mok_layer_desc_t d;
+  uint64_t magic;        /* MOK_LAYER_MAGIC while the layer lives */
   int64_t EL;            /* local experts, E / W */
   int64_t capacity_rows; /* routed rows (unpadded) this rank can receive */
   uint64_t id;           /* distinguishes layers in saved contexts */
@@ -38,12 +48,18 @@ struct mok_layer {
   struct mok_gpu_layer *gpu; /* GPU backend state (src/gpu/forward.c); NULL on the CPU */
 };
 
+/* MOK_SUCCESS when the handle is a live one; else MOK_ERROR_NULL_POINTER (NULL) or
+ * MOK_ERROR_INVALID_VALUE (destroyed or never created), recorded with `fn`, the public call, in
+ * the thread's last error only (an invalid handle's memory is never written). */
+mokResult_t mok_comm_valid(mok_comm_t comm, const char *fn);
+mokResult_t mok_layer_valid(mok_layer_t layer, const char *fn);
+
 /* Validation shared by both backends; each returns MOK_SUCCESS or the failure already recorded. */
 mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, const void *y,
-                                   const void *ctx, mok_stream_t stream);
+                                   const void *ctx, size_t ctx_bytes, mok_stream_t stream);
 mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
                                     const mok_backward_args_t *g, const void *ctx,
-                                    mok_stream_t stream);
+                                    size_t ctx_bytes, mok_stream_t stream);
 mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_quantized);
 
 /* CPU context after the header (SAVE mode): bf16 g, u of each (token, slot): [T_max * K, I] each,

@@ -3,10 +3,23 @@
  * is where NCCL tells us that symmetric memory works. Windows and the transport live in
  * transport.c; the NCCL calls themselves in cuda/comm/nccl_window.cu. Builds without NCCL keep the
  * constructors and report MOK_ERROR_NOT_AVAILABLE. */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "api/api.h"
+
+_Static_assert(offsetof(struct mok_comm, magic) >= 32, "the magic must survive free() (api.h)");
+
+mokResult_t mok_comm_valid(mok_comm_t comm, const char *fn) {
+  if (!comm) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: comm is NULL", fn);
+  if (comm->magic != MOK_COMM_MAGIC)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "%s: comm %p is a destroyed or invalid handle (not from mok_comm_create_*, or "
+                    "already passed to mok_comm_destroy)",
+                    fn, (void *)comm);
+  return MOK_SUCCESS;
+}
 
 static mokResult_t check_device(int device) {
   if (device == MOK_DEVICE_CPU) return MOK_SUCCESS;
@@ -31,6 +44,7 @@ mokResult_t mok_comm_create_local(mok_comm_t *out, int device) {
   c->device = device;
   c->rank = 0;
   c->nranks = 1;
+  c->magic = MOK_COMM_MAGIC;
   *out = c;
   return MOK_SUCCESS;
 }
@@ -61,6 +75,7 @@ static mokResult_t comm_from_nccl(mok_comm_t *out, void *nccl, int owns, int dev
     free(c);
     return r;
   }
+  c->magic = MOK_COMM_MAGIC;
   *out = c;
   return MOK_SUCCESS;
 }
@@ -127,10 +142,20 @@ mokResult_t mok_comm_create_unique_id(mok_comm_t *out, const mok_unique_id_t *id
 #endif
 }
 
-/* Collective for NCCL communicators (the device communicator's teardown). */
+/* Collective for NCCL communicators (the device communicator's teardown). Refused while layers
+ * created on the communicator live: they read it at every call. */
 mokResult_t mok_comm_destroy(mok_comm_t comm) {
   if (!comm) return MOK_SUCCESS; /* like free() */
-  mokResult_t r = MOK_SUCCESS;
+  mokResult_t r = mok_comm_valid(comm, "mok_comm_destroy");
+  if (r != MOK_SUCCESS) return r;
+  const int live = __atomic_load_n(&comm->live_layers, __ATOMIC_ACQUIRE);
+  if (live > 0)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "mok_comm_destroy: %d layer%s created on this communicator %s still alive; "
+                    "destroy %s with mok_layer_destroy first (the communicator is left intact)",
+                    live, live == 1 ? "" : "s", live == 1 ? "is" : "are",
+                    live == 1 ? "it" : "them");
+  *(volatile uint64_t *)&comm->magic = 0; /* volatile: not dropped as dead before free() */
 #ifdef MOK_WITH_NCCL
   if (comm->devcomm) mok_nccl_devcomm_destroy(comm->nccl, comm->devcomm);
   if (comm->owns_nccl) r = mok_nccl_comm_destroy(comm->nccl);
@@ -141,7 +166,9 @@ mokResult_t mok_comm_destroy(mok_comm_t comm) {
 
 #define COMM_GETTER(fn, field)                                                          \
   mokResult_t fn(mok_comm_t comm, int *v) {                                             \
-    if (!comm || !v) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, #fn ": NULL argument"); \
+    mokResult_t r_ = mok_comm_valid(comm, #fn);                                         \
+    if (r_ != MOK_SUCCESS) return r_;                                                   \
+    if (!v) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, #fn ": the output is NULL");  \
     *v = comm->field;                                                                   \
     return MOK_SUCCESS;                                                                 \
   }

@@ -35,7 +35,11 @@ const char *mok_error_string(mokResult_t r) {
 
 const char *mok_last_error(void) { return g_last_error; }
 
-const char *mok_layer_last_error(mok_layer_t layer) { return layer ? layer->err : ""; }
+const char *mok_layer_last_error(mok_layer_t layer) {
+  if (!layer) return "";
+  if (layer->magic != MOK_LAYER_MAGIC) return "destroyed or invalid layer handle";
+  return layer->err;
+}
 
 mokResult_t mok_fail_msg(mok_layer_t layer, mokResult_t code, const char *msg) {
   /* Long details are cut at MOK_ERR_LEN on purpose. */

@@ -6,6 +6,7 @@
  * reports MOK_ERROR_NOT_IMPLEMENTED until it lands).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,10 +15,21 @@
 #include "cuda/forward/forward.h"
 #include "cuda/quant/quant.h"
 #include "api/api.h"
+#include "common/limits.h"
+
+/* The bounds of common/limits.h make every size fit in int64_t; size_t must hold them too. */
+_Static_assert(sizeof(size_t) >= sizeof(int64_t), "MoK needs a 64-bit size_t");
 
 static atomic_uint_fast64_t g_next_layer_id = 1; /* distinguishes layers in saved contexts */
 
 static int is_gpu(mok_layer_t l) { return l->comm->device != MOK_DEVICE_CPU; }
+
+/* Routed rows (unpadded) a rank can receive: ceil(cf * T_max * K), cf = W when 0. Exact: the
+ * product is below 2^53 within the bounds of check_desc (cf <= W <= E <= 2^16, T_max K <= 2^30). */
+static int64_t capacity_rows(const mok_layer_desc_t *d, int W) {
+  const double cf = d->capacity_factor > 0 ? d->capacity_factor : (double)W;
+  return (int64_t)ceil(cf * (double)(d->max_tokens * d->top_k));
+}
 
 static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
   if (d->struct_size != sizeof(mok_layer_desc_t) || d->version / 100 != MOK_VERSION_CODE / 100)
@@ -25,25 +37,29 @@ static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
                     "descriptor has struct_size %zu and version %d; this library expects %zu and "
                     "%d: initialize it with MOK_LAYER_DESC_INIT",
                     d->struct_size, d->version, sizeof(mok_layer_desc_t), MOK_VERSION_CODE);
-  if (d->hidden <= 0 || d->hidden % 128)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "hidden (H) = %lld: must be a positive multiple of 128",
-                    (long long)d->hidden);
-  if (d->intermediate <= 0 || d->intermediate % 128)
+  /* The bounds of common/limits.h: with them every size derived from the descriptor fits. */
+  const struct {
+    const char *name;
+    int64_t v;
+    int zero_ok;
+  } dims[3] = {{"hidden (H)", d->hidden, 0},
+               {"intermediate (I)", d->intermediate, 0},
+               {"shared_intermediate (Is)", d->shared_intermediate, 1}};
+  for (int i = 0; i < 3; i++)
+    if (dims[i].v < (dims[i].zero_ok ? 0 : 1) || dims[i].v % 128 || dims[i].v > MOK_MAX_DIM)
+      return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                      "%s = %lld: must be %sa positive multiple of 128, at most 2^20 = %lld",
+                      dims[i].name, (long long)dims[i].v, dims[i].zero_ok ? "0 or " : "",
+                      (long long)MOK_MAX_DIM);
+  if (d->num_experts < 1 || d->num_experts % W || d->num_experts > MOK_MAX_NUM_EXPERTS)
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "intermediate (I) = %lld: must be a positive multiple of 128",
-                    (long long)d->intermediate);
-  if (d->shared_intermediate < 0 || d->shared_intermediate % 128)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "shared_intermediate (Is) = %lld: must be 0 or a positive multiple of 128",
-                    (long long)d->shared_intermediate);
-  if (d->num_experts < 1 || d->num_experts % W)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "num_experts (E) = %lld: must be a positive multiple of the %d ranks",
-                    (long long)d->num_experts, W);
-  if (d->top_k < 1 || d->top_k > d->num_experts || d->top_k > 64)
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "top_k (K) = %lld: must be in [1, min(E = %lld, 64)]",
-                    (long long)d->top_k, (long long)d->num_experts);
-  if (d->max_tokens < 1 || d->max_tokens > (1 << 24))
+                    "num_experts (E) = %lld: must be a positive multiple of the %d ranks, at most "
+                    "2^16 = %lld",
+                    (long long)d->num_experts, W, (long long)MOK_MAX_NUM_EXPERTS);
+  if (d->top_k < 1 || d->top_k > d->num_experts || d->top_k > MOK_MAX_TOP_K)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "top_k (K) = %lld: must be in [1, min(E = %lld, %d)]",
+                    (long long)d->top_k, (long long)d->num_experts, MOK_MAX_TOP_K);
+  if (d->max_tokens < 1 || d->max_tokens > MOK_MAX_TOKENS)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "max_tokens (T_max) = %lld: must be in [1, 2^24]",
                     (long long)d->max_tokens);
   if ((unsigned)d->precision > MOK_PRECISION_MXFP8)
@@ -68,23 +84,49 @@ static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "capacity_factor = %g: must be 0 (automatic) or in (0, W = %d]",
                     d->capacity_factor, W);
+  const int64_t rows = capacity_rows(d, W);
+  if (rows > MOK_MAX_CAPACITY_ROWS)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "capacity_factor %g (0 = W = %d) x max_tokens %lld x top_k %lld = %lld routed "
+                    "rows per rank: must be below 2^31 (lower max_tokens or capacity_factor)",
+                    d->capacity_factor, W, (long long)d->max_tokens, (long long)d->top_k,
+                    (long long)rows);
   return MOK_SUCCESS;
 }
+
+_Static_assert(offsetof(struct mok_layer, magic) >= 32, "the magic must survive free() (api.h)");
+
+mokResult_t mok_layer_valid(mok_layer_t l, const char *fn) {
+  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: layer is NULL", fn);
+  if (l->magic != MOK_LAYER_MAGIC)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "%s: layer %p is a destroyed or invalid handle (not from mok_layer_create, "
+                    "or already passed to mok_layer_destroy)",
+                    fn, (void *)l);
+  return MOK_SUCCESS;
+}
+
+/* Checks the handle at the top of an entry point; returns its failure. */
+#define LAYER_ENTRY(l, fn)                           \
+  do {                                               \
+    mokResult_t v_ = mok_layer_valid((l), (fn));     \
+    if (v_ != MOK_SUCCESS) return v_;                \
+  } while (0)
 
 mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_desc_t *desc) {
   if (!out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: out is NULL");
   *out = NULL;
-  if (!comm) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: comm is NULL");
+  mokResult_t r = mok_comm_valid(comm, "mok_layer_create");
+  if (r != MOK_SUCCESS) return r;
   if (!desc) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_create: desc is NULL");
-  mokResult_t r = check_desc(desc, comm->nranks);
+  r = check_desc(desc, comm->nranks);
   if (r != MOK_SUCCESS) return r;
   mok_layer_t l = calloc(1, sizeof(*l));
   if (!l) return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_layer_create: calloc");
   l->comm = comm;
   l->d = *desc;
   l->EL = desc->num_experts / comm->nranks;
-  double cf = desc->capacity_factor > 0 ? desc->capacity_factor : (double)comm->nranks;
-  l->capacity_rows = (int64_t)ceil(cf * (double)(desc->max_tokens * desc->top_k));
+  l->capacity_rows = capacity_rows(desc, comm->nranks);
   l->id = atomic_fetch_add(&g_next_layer_id, 1);
   if ((r = mok_tuning_default(&l->tuning)) != MOK_SUCCESS) {
     free(l);
@@ -94,41 +136,62 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
     free(l);
     return r;
   }
+  l->magic = MOK_LAYER_MAGIC;
+  __atomic_fetch_add(&comm->live_layers, 1, __ATOMIC_ACQ_REL);
   *out = l;
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_destroy(mok_layer_t layer) {
-  if (layer && is_gpu(layer)) mok_gpu_layer_destroy(layer);
+  if (!layer) return MOK_SUCCESS; /* like free() */
+  LAYER_ENTRY(layer, "mok_layer_destroy");
+  /* Before anything else, so that a second destroy is refused, never a double free. NOTE:
+   * volatile, or the compiler drops the store as dead before free(). */
+  *(volatile uint64_t *)&layer->magic = 0;
+  if (is_gpu(layer)) mok_gpu_layer_destroy(layer);
+  __atomic_fetch_sub(&layer->comm->live_layers, 1, __ATOMIC_ACQ_REL);
   free(layer);
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_check(mok_layer_t layer) {
-  if (!layer) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_check: layer is NULL");
+  LAYER_ENTRY(layer, "mok_layer_check");
   /* The CPU backend reports everything synchronously. */
   return is_gpu(layer) ? mok_gpu_check(layer) : MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_workspace_size(mok_layer_t layer, size_t *bytes) {
-  if (!layer || !bytes)
-    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_workspace_size: NULL argument");
+  LAYER_ENTRY(layer, "mok_layer_workspace_size");
+  if (!bytes)
+    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_workspace_size: bytes is NULL");
   *bytes = is_gpu(layer) ? mok_gpu_workspace_bytes(layer) : 0; /* the CPU allocates per call */
   return MOK_SUCCESS;
 }
 
+/* Bytes of the context of l (no handle check). */
+static size_t context_bytes(mok_layer_t l) {
+  return is_gpu(l) ? mok_gpu_context_bytes(l) : mok_cpu_context_bytes(&l->d);
+}
+
+/* Bytes of the quantized-weight buffer of l (no handle check). */
+static size_t quantized_bytes(mok_layer_t l) {
+  mok_qw_layout_t q;
+  mok_qw_layout(&l->d, l->EL, &q);
+  return q.bytes;
+}
+
 mokResult_t mok_context_size(mok_layer_t layer, size_t *bytes) {
-  if (!layer || !bytes) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_context_size: NULL argument");
-  *bytes = is_gpu(layer) ? mok_gpu_context_bytes(layer) : mok_cpu_context_bytes(&layer->d);
+  LAYER_ENTRY(layer, "mok_context_size");
+  if (!bytes) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_context_size: bytes is NULL");
+  *bytes = context_bytes(layer);
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_quantized_weights_size(mok_layer_t layer, size_t *bytes) {
-  if (!layer || !bytes)
-    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_quantized_weights_size: NULL argument");
-  mok_qw_layout_t q;
-  mok_qw_layout(&layer->d, layer->EL, &q);
-  *bytes = q.bytes;
+  LAYER_ENTRY(layer, "mok_quantized_weights_size");
+  if (!bytes)
+    return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_quantized_weights_size: bytes is NULL");
+  *bytes = quantized_bytes(layer);
   return MOK_SUCCESS;
 }
 
@@ -159,6 +222,12 @@ mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_qu
   int shared = l->d.shared_intermediate > 0;
   if (need_quantized) {
     CHECK_TENSOR(w->quantized, 1, 16, "weights.quantized (fp8 layers read the buffer filled by mok_quantize_weights)");
+    const size_t need = quantized_bytes(l);
+    if (w->quantized_bytes < need)
+      return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                      "weights.quantized_bytes = %zu: the quantized weights of this layer take "
+                      "mok_quantized_weights_size = %zu bytes",
+                      w->quantized_bytes, need);
     return MOK_SUCCESS;
   }
   CHECK_TENSOR(w->wg, 1, 16, "weights.wg");
@@ -171,7 +240,7 @@ mokResult_t mok_check_weights(mok_layer_t l, const mok_weights_t *w, int need_qu
 }
 
 static mokResult_t check_common(mok_layer_t l, const mok_forward_args_t *a, const void *ctx,
-                                mok_stream_t stream) {
+                                size_t ctx_bytes, mok_stream_t stream) {
   if (!a) return mok_fail(l, MOK_ERROR_NULL_POINTER, "args is NULL");
   if (!is_gpu(l) && stream)
     return mok_fail(l, MOK_ERROR_INVALID_VALUE,
@@ -184,12 +253,17 @@ static mokResult_t check_common(mok_layer_t l, const mok_forward_args_t *a, cons
   CHECK_TENSOR(a->topk_idx, any, 4, "args.topk_idx");
   CHECK_TENSOR(a->topk_w, any, 4, "args.topk_w");
   CHECK_TENSOR(ctx, 1, 16, "ctx");
+  const size_t need = context_bytes(l);
+  if (ctx_bytes < need)
+    return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                    "ctx_bytes = %zu: the context of this layer takes mok_context_size = %zu bytes",
+                    ctx_bytes, need);
   return mok_check_weights(l, &a->w, l->d.precision != MOK_PRECISION_BF16);
 }
 
 mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, const void *y,
-                                   const void *ctx, mok_stream_t stream) {
-  mokResult_t r = check_common(l, a, ctx, stream);
+                                   const void *ctx, size_t ctx_bytes, mok_stream_t stream) {
+  mokResult_t r = check_common(l, a, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   CHECK_TENSOR(y, a->num_tokens > 0, 16, "y");
   return MOK_SUCCESS;
@@ -197,8 +271,8 @@ mokResult_t mok_check_forward_args(mok_layer_t l, const mok_forward_args_t *a, c
 
 mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
                                     const mok_backward_args_t *g, const void *ctx,
-                                    mok_stream_t stream) {
-  mokResult_t r = check_common(l, a, ctx, stream);
+                                    size_t ctx_bytes, mok_stream_t stream) {
+  mokResult_t r = check_common(l, a, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   if (!g) return mok_fail(l, MOK_ERROR_NULL_POINTER, "grads is NULL");
   int any = a->num_tokens > 0, shared = l->d.shared_intermediate > 0;
@@ -218,26 +292,26 @@ mokResult_t mok_check_backward_args(mok_layer_t l, const mok_forward_args_t *a,
 /* ---- calls ------------------------------------------------------------------------------------ */
 
 mokResult_t mok_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
-                        mok_stream_t stream) {
-  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_forward: layer is NULL");
-  mokResult_t r = mok_check_forward_args(l, a, y, ctx, stream);
+                        size_t ctx_bytes, mok_stream_t stream) {
+  LAYER_ENTRY(l, "mok_forward");
+  mokResult_t r = mok_check_forward_args(l, a, y, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   if (is_gpu(l)) return mok_gpu_forward(l, a, y, ctx, stream);
   return mok_cpu_forward(l, a, y, ctx);
 }
 
 mokResult_t mok_backward(mok_layer_t l, const mok_forward_args_t *a, const mok_backward_args_t *g,
-                         const void *ctx, mok_stream_t stream) {
-  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_backward: layer is NULL");
-  mokResult_t r = mok_check_backward_args(l, a, g, ctx, stream);
+                         const void *ctx, size_t ctx_bytes, mok_stream_t stream) {
+  LAYER_ENTRY(l, "mok_backward");
+  mokResult_t r = mok_check_backward_args(l, a, g, ctx, ctx_bytes, stream);
   if (r != MOK_SUCCESS) return r;
   if (is_gpu(l)) return mok_gpu_backward(l, a, g, ctx, stream);
   return mok_cpu_backward(l, a, g, ctx);
 }
 
 mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *out,
-                                 mok_stream_t stream) {
-  if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_quantize_weights: layer is NULL");
+                                 size_t out_bytes, mok_stream_t stream) {
+  LAYER_ENTRY(l, "mok_quantize_weights");
   if (!w) return mok_fail(l, MOK_ERROR_NULL_POINTER, "mok_quantize_weights: weights is NULL");
   if (l->d.precision == MOK_PRECISION_BF16)
     return mok_fail(l, MOK_ERROR_INVALID_VALUE,
@@ -248,6 +322,12 @@ mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *ou
   if (r != MOK_SUCCESS) return r;
   r = check_tensor(l, out, 1, 16, "out");
   if (r != MOK_SUCCESS) return r;
+  const size_t need = quantized_bytes(l);
+  if (out_bytes < need)
+    return mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                    "mok_quantize_weights: out_bytes = %zu: the quantized weights of this layer "
+                    "take mok_quantized_weights_size = %zu bytes",
+                    out_bytes, need);
   if (is_gpu(l)) {
     r = mok_quantize_weights_gpu(&l->d, l->EL, w, out, stream);
     return r == MOK_SUCCESS ? r

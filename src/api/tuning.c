@@ -45,14 +45,17 @@ mokResult_t mok_tuning_check(mok_layer_t layer, const mok_tuning_t *t) {
 }
 
 mokResult_t mok_layer_tuning(mok_layer_t layer, mok_tuning_t *out) {
-  if (!layer || !out) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_tuning: NULL argument");
+  mokResult_t r = mok_layer_valid(layer, "mok_layer_tuning");
+  if (r != MOK_SUCCESS) return r;
+  if (!out) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_tuning: out is NULL");
   *out = layer->tuning;
   return MOK_SUCCESS;
 }
 
 mokResult_t mok_layer_set_tuning(mok_layer_t layer, const mok_tuning_t *t) {
-  if (!layer) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_layer_set_tuning: layer is NULL");
-  mokResult_t r = mok_tuning_check(layer, t);
+  mokResult_t r = mok_layer_valid(layer, "mok_layer_set_tuning");
+  if (r != MOK_SUCCESS) return r;
+  r = mok_tuning_check(layer, t);
   if (r != MOK_SUCCESS) return r;
   layer->tuning = *t;
   return MOK_SUCCESS;

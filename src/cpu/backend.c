@@ -3,11 +3,17 @@
  * (src/cpu/ref.h) with W = 1. Converts the caller's bf16/fp32 tensors to the reference's doubles
  * and back, reads fp8 weights from the quantized buffer (so the buffer's contents, not the bf16
  * weights, decide the result, as on the GPU), and writes and checks the saved context.
- * Outputs are written only after the whole computation succeeded: a failed call leaves them intact.
+ * The routed weights are converted one expert at a time, when the reference reaches an expert
+ * with rows (mok_ref_experts_t), and their gradients written back one expert at a time, so a
+ * call holds one expert's doubles, not all of them: its memory stays near the size of its
+ * token-sized inputs plus a few experts' (E = 128, H = 4096, I = 1536 took 19 GB before).
+ * Outputs are written only once nothing can fail any more (the reference checks routing and
+ * allocates before its first expert): a failed call leaves them intact.
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/checked.h"
 #include "cpu/quant.h"
 #include "cpu/ref.h"
 #include "api/api.h"
@@ -33,7 +39,8 @@ uint64_t mok_routing_hash(const int32_t *idx, int64_t n) {
 }
 
 static double *bf16_to_doubles(const void *src, int64_t n) {
-  double *d = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+  size_t bytes;
+  double *d = mok_bytes_ok(n > 0 ? n : 1, sizeof(double), &bytes) ? malloc(bytes) : NULL;
   if (!d) return NULL;
   for (int64_t i = 0; i < n; i++) d[i] = mok_bf16_to_float(((const uint16_t *)src)[i]);
   return d;
@@ -44,18 +51,28 @@ static void doubles_to_bf16(const double *src, void *dst, int64_t n) {
 }
 
 /* Everything one call allocates, freed in one place. */
+enum { ARENA_MAX = 32 };
 typedef struct {
-  double *buf[32];
+  void *buf[ARENA_MAX];
   int n;
 } arena_t;
 
-static double *arena_take(arena_t *a, double *p) {
-  if (p && a->n < 32) a->buf[a->n++] = p;
+/* Keeps p (NULL stays NULL). More than ARENA_MAX buffers is a bug of this file: p is freed and
+ * NULL returned, which the caller reports as out of memory. */
+static void *arena_take(arena_t *a, void *p) {
+  if (p && a->n == ARENA_MAX) {
+    free(p);
+    return NULL;
+  }
+  if (p) a->buf[a->n++] = p;
   return p;
 }
 
+/* n zeroed doubles; NULL when n * 8 bytes do not fit or cannot be allocated. */
 static double *arena_zeros(arena_t *a, int64_t n) {
-  return arena_take(a, calloc((size_t)(n > 0 ? n : 1), sizeof(double)));
+  size_t bytes;
+  if (!mok_bytes_ok(n > 0 ? n : 1, sizeof(double), &bytes)) return NULL;
+  return arena_take(a, calloc(1, bytes));
 }
 
 static void arena_free(arena_t *a) {
@@ -63,40 +80,81 @@ static void arena_free(arena_t *a) {
   a->n = 0;
 }
 
-/* Dequantizes operand o into [count, R, C] doubles in the GEMM's orientation (a transposed copy
- * is transposed back). */
-static double *dequant_operand(arena_t *ar, const mok_qw_operand_t *o, const uint8_t *buf) {
-  const int64_t rows = o->rows, cols = o->cols, n = o->count * rows * cols;
-  double *out = arena_zeros(ar, n);
-  float *m = malloc(sizeof(float) * (size_t)(rows * cols > 0 ? rows * cols : 1));
-  if (!out || !m) {
-    free(m);
-    return NULL;
-  }
-  for (int64_t e = 0; e < o->count; e++) {
-    mok_dequantize_host(buf + o->data + (size_t)(e * rows * cols), buf + o->scales + (size_t)e * o->scale_stride,
-                        rows, cols, o->br, o->bc, o->kind, m);
-    double *dst = out + e * rows * cols;
-    for (int64_t r = 0; r < rows; r++)
-      for (int64_t c = 0; c < cols; c++) {
-        if (o->transposed) dst[c * rows + r] = m[r * cols + c];
-        else dst[r * cols + c] = m[r * cols + c];
-      }
-  }
-  free(m);
-  return out;
+/* Dequantizes expert e of operand o into dst [R, C] doubles in the GEMM's orientation (a
+ * transposed copy is transposed back); m: [R, C] floats of scratch. */
+static void dequant_expert(const mok_qw_operand_t *o, const uint8_t *buf, int64_t e, float *m,
+                           double *dst) {
+  const int64_t rows = o->rows, cols = o->cols;
+  mok_dequantize_host(buf + o->data + (size_t)(e * rows * cols), buf + o->scales + (size_t)e * o->scale_stride,
+                      rows, cols, o->br, o->bc, o->kind, m);
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < cols; c++) {
+      if (o->transposed) dst[c * rows + r] = m[r * cols + c];
+      else dst[r * cols + c] = m[r * cols + c];
+    }
 }
 
-static mokResult_t effective_weights(mok_layer_t l, const mok_weights_t *w, arena_t *ar,
+/* The routed weights one expert at a time (ref.h, mok_ref_experts_t) and, in backward, their
+ * gradients written to the caller's arrays one expert at a time. */
+typedef struct {
+  const mok_layer_desc_t *d;
+  const mok_weights_t *w;        /* the caller's */
+  mok_qw_layout_t q;             /* fp8: where each operand lives in w->quantized */
+  double *buf[6];                /* [I * H] each: wg, wu, wd, and (fp8 backward) wg_b, wu_b, wd_b */
+  float *m;                      /* [I * H] fp8 dequantization scratch */
+  const mok_backward_args_t *g;  /* backward: the caller's weight gradients */
+} experts_io_t;
+
+static void experts_load(void *user, int rank, int64_t le, int backward, mok_ref_expert_t *e) {
+  experts_io_t *io = user;
+  const int64_t n = io->d->intermediate * io->d->hidden; /* one expert's matrix */
+  (void)rank;                                           /* W = 1 */
+  if (io->d->precision == MOK_PRECISION_BF16) { /* one copy serves forward and backward */
+    const uint16_t *src[3] = {io->w->wg, io->w->wu, io->w->wd};
+    for (int i = 0; i < 3; i++)
+      for (int64_t k = 0; k < n; k++) io->buf[i][k] = mok_bf16_to_float(src[i][le * n + k]);
+    e->wg = e->wg_b = io->buf[0];
+    e->wu = e->wu_b = io->buf[1];
+    e->wd = e->wd_b = io->buf[2];
+    return;
+  }
+  static const mok_qw_which_t ops[6] = {MOK_QW_WG,   MOK_QW_WU,   MOK_QW_WD,
+                                        MOK_QW_WG_T, MOK_QW_WU_T, MOK_QW_WD_T};
+  for (int i = 0; i < (backward ? 6 : 3); i++)
+    dequant_expert(&io->q.op[ops[i]], io->w->quantized, le, io->m, io->buf[i]);
+  e->wg = io->buf[0], e->wu = io->buf[1], e->wd = io->buf[2];
+  if (backward) e->wg_b = io->buf[3], e->wu_b = io->buf[4], e->wd_b = io->buf[5];
+}
+
+static void write_wgrad(const mok_layer_desc_t *d, const double *g, void *dst, int64_t off,
+                        int64_t n);
+
+static void experts_store(void *user, int rank, int64_t le, const double *dwg, const double *dwu,
+                          const double *dwd) {
+  experts_io_t *io = user;
+  const int64_t n = io->d->intermediate * io->d->hidden;
+  (void)rank;
+  write_wgrad(io->d, dwg, io->g->dwg, le * n, n);
+  write_wgrad(io->d, dwu, io->g->dwu, le * n, n);
+  write_wgrad(io->d, dwd, io->g->dwd, le * n, n);
+}
+
+/* The reference's view of the weights: the routed ones through io (its buffers in the arena),
+ * the shared expert's converted whole (it is one expert). */
+static mokResult_t effective_weights(mok_layer_t l, const mok_weights_t *w, int backward,
+                                     arena_t *ar, experts_io_t *io, mok_ref_experts_t *ex,
                                      mok_ref_weights_t *rw) {
   const mok_layer_desc_t *d = &l->d;
-  const int64_t H = d->hidden, I = d->intermediate, Is = d->shared_intermediate, EL = l->EL;
+  const int64_t H = d->hidden, I = d->intermediate, Is = d->shared_intermediate;
+  const int fp8 = d->precision != MOK_PRECISION_BF16;
   memset(rw, 0, sizeof(*rw));
-  if (d->precision == MOK_PRECISION_BF16) {
-    rw->wg = rw->wg_b = arena_take(ar, bf16_to_doubles(w->wg, EL * I * H));
-    rw->wu = rw->wu_b = arena_take(ar, bf16_to_doubles(w->wu, EL * I * H));
-    rw->wd = rw->wd_b = arena_take(ar, bf16_to_doubles(w->wd, EL * H * I));
-    if (!rw->wg || !rw->wu || !rw->wd) goto oom;
+  memset(io, 0, sizeof(*io));
+  io->d = d, io->w = w;
+  for (int i = 0; i < (fp8 && backward ? 6 : 3); i++)
+    if (!(io->buf[i] = arena_zeros(ar, I * H))) goto oom;
+  *ex = (mok_ref_experts_t){experts_load, experts_store, io};
+  rw->experts = ex;
+  if (!fp8) {
     if (Is > 0) {
       rw->wsg = rw->wsg_b = arena_take(ar, bf16_to_doubles(w->wsg, Is * H));
       rw->wsu = rw->wsu_b = arena_take(ar, bf16_to_doubles(w->wsu, Is * H));
@@ -105,18 +163,25 @@ static mokResult_t effective_weights(mok_layer_t l, const mok_weights_t *w, aren
     }
     return MOK_SUCCESS;
   }
-  mok_qw_layout_t q;
-  mok_qw_layout(d, EL, &q);
-  const uint8_t *buf = w->quantized;
-  const double **dst[MOK_QW_COUNT] = {&rw->wg,   &rw->wu,   &rw->wd,   &rw->wg_b,  &rw->wu_b,  &rw->wd_b,
-                                      &rw->wsg,  &rw->wsu,  &rw->wsd,  &rw->wsg_b, &rw->wsu_b, &rw->wsd_b};
-  for (int i = 0; i < MOK_QW_COUNT; i++) {
-    if (q.op[i].count == 0) continue;
-    if (!(*dst[i] = dequant_operand(ar, &q.op[i], buf))) goto oom;
+  mok_qw_layout(d, l->EL, &io->q);
+  const int64_t mn = (I > Is ? I : Is) * H; /* the largest matrix dequantized at once */
+  size_t mbytes;
+  io->m = mok_bytes_ok(mn, sizeof(float), &mbytes) ? arena_take(ar, malloc(mbytes)) : NULL;
+  if (!io->m) goto oom;
+  const double **dst[6] = {&rw->wsg, &rw->wsu, &rw->wsd, &rw->wsg_b, &rw->wsu_b, &rw->wsd_b};
+  for (int i = 0; i < 6; i++) {
+    const mok_qw_operand_t *o = &io->q.op[MOK_QW_WSG + i];
+    if (o->count == 0) continue;
+    double *p = arena_zeros(ar, o->rows * o->cols);
+    if (!p) goto oom;
+    dequant_expert(o, w->quantized, 0, io->m, p);
+    *dst[i] = p;
   }
   return MOK_SUCCESS;
 oom:
-  return mok_fail(l, MOK_ERROR_OUT_OF_MEMORY, "CPU backend: allocating weights");
+  return mok_fail(l, MOK_ERROR_OUT_OF_MEMORY,
+                  "CPU backend: allocating one expert's weights as doubles (%lld x %lld)",
+                  (long long)I, (long long)H);
 }
 
 static mok_ref_cfg_t ref_cfg(mok_layer_t l) {
@@ -138,8 +203,9 @@ static mokResult_t check_capacity(mok_layer_t l, const mok_forward_args_t *a) {
   return MOK_SUCCESS;
 }
 
-/* Converts the forward inputs; fills in and the weights. */
-static mokResult_t prepare(mok_layer_t l, const mok_forward_args_t *a, arena_t *ar, mok_ref_in_t *in,
+/* Converts the forward inputs; fills in and the weights (backward: their backward copies too). */
+static mokResult_t prepare(mok_layer_t l, const mok_forward_args_t *a, int backward, arena_t *ar,
+                           mok_ref_in_t *in, experts_io_t *io, mok_ref_experts_t *ex,
                            mok_ref_weights_t *rw) {
   const int64_t T = a->num_tokens, H = l->d.hidden, K = l->d.top_k;
   mokResult_t r = check_capacity(l, a);
@@ -153,7 +219,7 @@ static mokResult_t prepare(mok_layer_t l, const mok_forward_args_t *a, arena_t *
   for (int64_t i = 0; i < T * K; i++) tw[i] = a->topk_w[i];
   in->x = x;
   in->topk_w = tw;
-  return effective_weights(l, &a->w, ar, rw);
+  return effective_weights(l, &a->w, backward, ar, io, ex, rw);
 }
 
 /* Saved g, u in the context, after the header: [T_max * K, I] g, u then [T_max, Is] gs, us. */
@@ -172,7 +238,9 @@ mokResult_t mok_cpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
   arena_t ar = {{0}, 0};
   mok_ref_in_t in;
   mok_ref_weights_t rw;
-  mokResult_t r = prepare(l, a, &ar, &in, &rw);
+  experts_io_t io;
+  mok_ref_experts_t ex;
+  mokResult_t r = prepare(l, a, 0, &ar, &in, &io, &ex, &rw);
   if (r != MOK_SUCCESS) goto done;
   mok_ref_out_t out = {0};
   mok_ref_saved_t sv = {0};
@@ -224,15 +292,17 @@ static mokResult_t check_ctx(mok_layer_t l, const mok_forward_args_t *a, const v
   return MOK_SUCCESS;
 }
 
-/* Writes a weight gradient in the layer's dtype, overwriting or accumulating:
- * fp32: dst = fp32(g) or fp32(dst + g); bf16: dst = bf16(g) or bf16(fp32(dst) + g), g fp32. */
-static void write_wgrad(const mok_layer_desc_t *d, const double *g, void *dst, int64_t n) {
+/* Writes g [n] to elements [off, off + n) of a weight gradient in the layer's dtype, overwriting
+ * or accumulating: fp32: dst = fp32(g) or fp32(dst + g); bf16: dst = bf16(g) or
+ * bf16(fp32(dst) + g), g fp32. */
+static void write_wgrad(const mok_layer_desc_t *d, const double *g, void *dst, int64_t off,
+                        int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     if (d->wgrad_dtype == MOK_WGRAD_FP32) {
-      float *o = (float *)dst + i;
+      float *o = (float *)dst + off + i;
       *o = d->wgrad_accumulate ? *o + (float)g[i] : (float)g[i];
     } else {
-      uint16_t *o = (uint16_t *)dst + i;
+      uint16_t *o = (uint16_t *)dst + off + i;
       float v = d->wgrad_accumulate ? mok_bf16_to_float(*o) + (float)g[i] : (float)g[i];
       *o = mok_bf16_from_float(v);
     }
@@ -243,22 +313,22 @@ mokResult_t mok_cpu_backward(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *g, const void *ctx) {
   const mok_layer_desc_t *d = &l->d;
   const int64_t T = a->num_tokens, H = d->hidden, I = d->intermediate, K = d->top_k,
-                Is = d->shared_intermediate, EL = l->EL;
+                Is = d->shared_intermediate;
   const int save = d->context_mode == MOK_CONTEXT_SAVE;
   arena_t ar = {{0}, 0};
   mok_ref_in_t in;
   mok_ref_weights_t rw;
+  experts_io_t io;
+  mok_ref_experts_t ex;
   mokResult_t r = check_ctx(l, a, ctx);
   if (r != MOK_SUCCESS) return r;
-  r = prepare(l, a, &ar, &in, &rw);
+  r = prepare(l, a, 1, &ar, &in, &io, &ex, &rw);
   if (r != MOK_SUCCESS) goto done;
+  io.g = g; /* the routed weight gradients go straight to the caller's, expert by expert */
   in.dy = arena_take(&ar, T > 0 ? bf16_to_doubles(g->dy, T * H) : calloc(1, sizeof(double)));
   mok_ref_out_t out = {0};
   out.dx = arena_zeros(&ar, T * H);
   out.dtopk_w = arena_zeros(&ar, T * K);
-  out.dwg = arena_zeros(&ar, EL * I * H);
-  out.dwu = arena_zeros(&ar, EL * I * H);
-  out.dwd = arena_zeros(&ar, EL * H * I);
   out.dwsg = arena_zeros(&ar, Is * H);
   out.dwsu = arena_zeros(&ar, Is * H);
   out.dwsd = arena_zeros(&ar, H * Is);
@@ -269,8 +339,8 @@ mokResult_t mok_cpu_backward(mok_layer_t l, const mok_forward_args_t *a,
     sv.gs = arena_take(&ar, bf16_to_doubles(ctx_part(d, ctx, 2), T * Is));
     sv.us = arena_take(&ar, bf16_to_doubles(ctx_part(d, ctx, 3), T * Is));
   }
-  if (!in.dy || !out.dx || !out.dtopk_w || !out.dwg || !out.dwu || !out.dwd || !out.dwsg ||
-      !out.dwsu || !out.dwsd || (save && (!sv.g || !sv.u || !sv.gs || !sv.us))) {
+  if (!in.dy || !out.dx || !out.dtopk_w || !out.dwsg || !out.dwsu || !out.dwsd ||
+      (save && (!sv.g || !sv.u || !sv.gs || !sv.us))) {
     r = mok_fail(l, MOK_ERROR_OUT_OF_MEMORY, "CPU backend: allocating gradients");
     goto done;
   }
@@ -283,13 +353,10 @@ mokResult_t mok_cpu_backward(mok_layer_t l, const mok_forward_args_t *a,
   }
   doubles_to_bf16(out.dx, g->dx, T * H);
   for (int64_t i = 0; i < T * K; i++) g->dtopk_w[i] = (float)out.dtopk_w[i];
-  write_wgrad(d, out.dwg, g->dwg, EL * I * H);
-  write_wgrad(d, out.dwu, g->dwu, EL * I * H);
-  write_wgrad(d, out.dwd, g->dwd, EL * H * I);
   if (Is > 0) {
-    write_wgrad(d, out.dwsg, g->dwsg, Is * H);
-    write_wgrad(d, out.dwsu, g->dwsu, Is * H);
-    write_wgrad(d, out.dwsd, g->dwsd, H * Is);
+    write_wgrad(d, out.dwsg, g->dwsg, 0, Is * H);
+    write_wgrad(d, out.dwsu, g->dwsu, 0, Is * H);
+    write_wgrad(d, out.dwsd, g->dwsd, 0, H * Is);
   }
 done:
   arena_free(&ar);

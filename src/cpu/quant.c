@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common/checked.h"
 #include "api/api.h" /* mok_fail: the detail behind mok_last_error() */
 
 #define QUANT_E4M3_MAX 448.0f
@@ -167,9 +168,9 @@ static quant_block_t quant_block(int64_t rows, int64_t cols, int block_rows, int
                                  int64_t br, int64_t bc) {
   quant_block_t b;
   b.r0 = br * block_rows;
-  b.r1 = b.r0 + block_rows < rows ? b.r0 + block_rows : rows;
+  b.r1 = rows - b.r0 > block_rows ? b.r0 + block_rows : rows; /* no overflow near INT64_MAX */
   b.c0 = bc * block_cols;
-  b.c1 = b.c0 + block_cols < cols ? b.c0 + block_cols : cols;
+  b.c1 = cols - b.c0 > block_cols ? b.c0 + block_cols : cols;
   return b;
 }
 
@@ -234,8 +235,8 @@ mokResult_t mok_quantize_host(const float *in, int64_t rows, int64_t cols, int b
                                      cols, block_rows, block_cols, scale);
   if (res != MOK_SUCCESS) return res;
 
-  int64_t nbr = (rows + block_rows - 1) / block_rows;
-  int64_t nbc = (cols + block_cols - 1) / block_cols;
+  int64_t nbr = mok_ceil_div(rows, block_rows);
+  int64_t nbc = mok_ceil_div(cols, block_cols);
   for (int64_t br = 0; br < nbr; br++) {
     for (int64_t bc = 0; bc < nbc; bc++) {
       quant_block_t b = quant_block(rows, cols, block_rows, block_cols, br, bc);
@@ -261,7 +262,7 @@ mokResult_t mok_dequantize_host(const uint8_t *q, const void *scales, int64_t ro
                                      rows, cols, block_rows, block_cols, scale);
   if (res != MOK_SUCCESS) return res;
 
-  int64_t nbc = (cols + block_cols - 1) / block_cols;
+  int64_t nbc = mok_ceil_div(cols, block_cols);
   for (int64_t r = 0; r < rows; r++) {
     const int64_t br = r / block_rows;
     for (int64_t c = 0; c < cols; c++) {
@@ -280,8 +281,8 @@ void mok_qdq_matrix(double *m, int64_t rows, int64_t cols, int block_rows, int b
    * the matrix untouched rather than writing out of bounds. */
   if (!m || !quant_shape_valid(rows, cols, block_rows, block_cols, kind)) return;
 
-  int64_t nbr = (rows + block_rows - 1) / block_rows;
-  int64_t nbc = (cols + block_cols - 1) / block_cols;
+  int64_t nbr = mok_ceil_div(rows, block_rows);
+  int64_t nbc = mok_ceil_div(cols, block_cols);
   for (int64_t br = 0; br < nbr; br++) {
     for (int64_t bc = 0; bc < nbc; bc++) {
       quant_block_t b = quant_block(rows, cols, block_rows, block_cols, br, bc);

@@ -9,14 +9,13 @@
  */
 #include <stdlib.h>
 
+#include "common/checked.h"
 #include "cpu/quant.h"
 #include "cuda/forward/forward.h"
 #include "cuda/quant/quant.h"
 #include "api/api.h"
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void mok_qw_layout(const mok_layer_desc_t *d, int64_t EL, mok_qw_layout_t *out) {
   const int64_t H = d->hidden, I = d->intermediate, Is = d->shared_intermediate;
@@ -42,7 +41,7 @@ void mok_qw_layout(const mok_layer_desc_t *d, int64_t EL, mok_qw_layout_t *out) 
     o->bc = bc;
     o->kind = kind;
     o->transposed = (i >= MOK_QW_WG_T && i <= MOK_QW_WD_T) || i >= MOK_QW_WSG_T;
-    o->scale_stride = (size_t)(ceil_div(o->rows, br) * ceil_div(o->cols, bc)) * scale_bytes;
+    o->scale_stride = (size_t)(mok_ceil_div(o->rows, br) * mok_ceil_div(o->cols, bc)) * scale_bytes;
     if (d->precision == MOK_PRECISION_BF16 || o->rows == 0) { /* nothing stored */
       o->count = o->rows == 0 ? 0 : o->count;
       o->data = o->scales = off;

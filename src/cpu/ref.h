@@ -38,6 +38,34 @@ typedef struct {
   int64_t tile_m;            /* layout padding (rows); any value >= 1 gives the same results */
 } mok_ref_cfg_t;
 
+/* One local expert's routed weights as the GEMMs see them (the slices of mok_ref_weights_t's
+ * arrays): wg, wu, wg_b, wu_b [I, H]; wd, wd_b [H, I]. */
+typedef struct {
+  const double *wg, *wu, *wd;       /* forward */
+  const double *wg_b, *wu_b, *wd_b; /* backward */
+} mok_ref_expert_t;
+
+/* Routed weights fetched one expert at a time, and their gradients handed back one expert at a
+ * time, for a caller that cannot hold every expert as doubles (the CPU backend: the README's
+ * E = 128, H = 4096, I = 1536 layer takes 19 GB that way, 4x its bf16 weights). When a rank's
+ * mok_ref_weights_t.experts is set, the reference reads none of that rank's routed arrays
+ * (wg .. wd_b) and writes none of its outputs' dwg, dwu, dwd:
+ *   load   fills *e with local expert le of `rank` (forward: wg, wu, wd; backward: all six) just
+ *          before the reference reads them, only for experts that have rows; the arrays stay
+ *          valid until the next load.
+ *   store  (backward) receives local expert le's finished weight gradients dwg, dwu [I, H],
+ *          dwd [H, I] (the values mok_ref_out_t's arrays would hold), once for every local
+ *          expert in order, with or without rows; valid during the call.
+ * Neither can fail (the caller allocates what they need first), and the reference fails only
+ * before its first load or store (config, routing, allocation): a failed call stored nothing.
+ * The results are bitwise the same as with arrays holding the same values. */
+typedef struct {
+  void (*load)(void *user, int rank, int64_t le, int backward, mok_ref_expert_t *e);
+  void (*store)(void *user, int rank, int64_t le, const double *dwg, const double *dwu,
+                const double *dwd);
+  void *user;
+} mok_ref_experts_t;
+
 /* The weights of one rank, as the GEMMs see them (already quantize-dequantized for fp8):
  * forward copies are quantized along the forward reduction dim, backward copies along the
  * backward (data-gradient) reduction dim. In BF16 both copies may point to the same arrays. */
@@ -48,6 +76,7 @@ typedef struct {
   const double *wd_b;        /* [EL, H, I] backward (ds = dy . Wd reduces over H) */
   const double *wsg, *wsu, *wsd;       /* shared forward, [Is, H], [Is, H], [H, Is] */
   const double *wsg_b, *wsu_b, *wsd_b; /* shared backward */
+  const mok_ref_experts_t *experts;    /* not NULL: routed weights per expert, see above */
 } mok_ref_weights_t;
 
 /* One rank's inputs. topk_w values are fp32 values (as doubles). dy only for backward. */
@@ -60,7 +89,8 @@ typedef struct {
 } mok_ref_in_t;
 
 /* One rank's outputs; forward writes y, backward the rest (fp32-rounded values in normal mode;
- * the caller converts weight gradients to its dtype). Weight gradients are overwritten. */
+ * the caller converts weight gradients to its dtype). Weight gradients are overwritten; the
+ * routed ones go to w.experts->store instead where the rank's weights have `experts`. */
 typedef struct {
   double *y;             /* [T, H] */
   double *dx;            /* [T, H] */

@@ -102,13 +102,17 @@ mokResult_t mok_ref_backward(const mok_ref_cfg_t *cfg, const mok_ref_weights_t *
   double **xq = NULL;  /* [W][T_r, H] x quantized per row (recompute of g, u) */
   double **dyq = NULL; /* [W][T_r, H] dy quantized per row along H */
   double **dxk = NULL; /* [W][T_r * K, H] bf16 routed data gradients by home rank */
+  /* [3, I, H] one expert's dwg, dwu, dwd for ranks with per-expert weights (ref.h) */
+  int per_expert = 0;
+  for (int r = 0; r < W; r++) per_expert |= w[r].experts != NULL;
+  double *ew_grad = per_expert ? mok_ref_alloc(3 * I * H) : NULL;
   double *ds = mok_ref_alloc(width); /* [max(I, Is)] gradient w.r.t. a (fp32) */
   double *dxs = mok_ref_alloc(H);    /* [H] shared data gradient, fp32 */
   bwd_scratch_t sc = {mok_ref_alloc(width), mok_ref_alloc(width), mok_ref_alloc(width),
                       mok_ref_alloc(width), mok_ref_alloc(width), mok_ref_alloc(width),
                       mok_ref_alloc(width), mok_ref_alloc(width)};
-  if (!ds || !dxs || !sc.g || !sc.u || !sc.sact || !sc.a || !sc.dg || !sc.du || !sc.dgq ||
-      !sc.duq) {
+  if ((per_expert && !ew_grad) || !ds || !dxs || !sc.g || !sc.u || !sc.sact || !sc.a || !sc.dg ||
+      !sc.du || !sc.dgq || !sc.duq) {
     res = mok_ref_oom(err, errlen, "backward");
     goto done;
   }
@@ -131,21 +135,34 @@ mokResult_t mok_ref_backward(const mok_ref_cfg_t *cfg, const mok_ref_weights_t *
 
   /* Outputs are overwritten: weight gradients are sums from zero; empty slots get dtopk_w = 0. */
   for (int r = 0; r < W; r++) {
-    memset(out[r].dwg, 0, (size_t)(EL * I * H) * sizeof(double));
-    memset(out[r].dwu, 0, (size_t)(EL * I * H) * sizeof(double));
-    memset(out[r].dwd, 0, (size_t)(EL * H * I) * sizeof(double));
+    if (!w[r].experts) {
+      memset(out[r].dwg, 0, (size_t)(EL * I * H) * sizeof(double));
+      memset(out[r].dwu, 0, (size_t)(EL * I * H) * sizeof(double));
+      memset(out[r].dwd, 0, (size_t)(EL * H * I) * sizeof(double));
+    }
     if (in[r].T > 0) memset(out[r].dtopk_w, 0, (size_t)(in[r].T * K) * sizeof(double));
   }
 
-  /* Expert ranks: each local expert's rows in layout order; padding rows (src < 0) are skipped. */
+  /* Expert ranks: each local expert's rows in layout order; padding rows (src < 0) are skipped.
+   * An expert without rows reads no weights; its gradients are zeros. */
+  int grad_dirty = 0; /* ew_grad holds an expert's sums (it starts zeroed) */
   for (int r = 0; r < W; r++) {
     for (int64_t le = 0; le < EL; le++) {
       const int64_t e = r * EL + le;
-      const double *wg = w[r].wg + le * I * H, *wu = w[r].wu + le * I * H; /* [I, H] forward */
-      const double *wg_b = w[r].wg_b + le * I * H, *wu_b = w[r].wu_b + le * I * H; /* [I, H] */
-      const double *wd_b = w[r].wd_b + le * H * I;                                 /* [H, I] */
-      double *dwg = out[r].dwg + le * I * H, *dwu = out[r].dwu + le * I * H;       /* [I, H] */
-      double *dwd = out[r].dwd + le * H * I;                                       /* [H, I] */
+      double *dwg, *dwu, *dwd; /* [I, H], [I, H], [H, I] */
+      if (w[r].experts) {
+        if (grad_dirty) memset(ew_grad, 0, (size_t)(3 * I * H) * sizeof(double));
+        dwg = ew_grad, dwu = ew_grad + I * H, dwd = ew_grad + 2 * I * H;
+        grad_dirty = l.expert_rows[e] > 0;
+      } else {
+        dwg = out[r].dwg + le * I * H, dwu = out[r].dwu + le * I * H;
+        dwd = out[r].dwd + le * H * I;
+      }
+      mok_ref_expert_t ew = {NULL, NULL, NULL, NULL, NULL, NULL};
+      if (l.expert_rows[e] > 0) mok_ref_expert_weights(cfg, w, r, le, 1, &ew);
+      const double *wg = ew.wg, *wu = ew.wu;       /* [I, H] forward (recompute of g, u) */
+      const double *wg_b = ew.wg_b, *wu_b = ew.wu_b; /* [I, H] */
+      const double *wd_b = ew.wd_b;                  /* [H, I] */
       for (int64_t row = l.expert_start[e]; row < l.expert_start[e] + l.expert_rows[e]; row++) {
         const mok_row_origin_t o = l.row_from[r][row];
         if (o.src < 0) continue;
@@ -169,6 +186,7 @@ mokResult_t mok_ref_backward(const mok_ref_cfg_t *cfg, const mok_ref_weights_t *
         }
         wgrad_row(n, &sc, x, dy, I, H, dwg, dwu, dwd);
       }
+      if (w[r].experts) w[r].experts->store(w[r].experts->user, r, le, dwg, dwu, dwd);
     }
   }
 
@@ -211,6 +229,7 @@ done:
   mok_ref_free_ranks(xq, W);
   mok_ref_free_ranks(dyq, W);
   mok_ref_free_ranks(dxk, W);
+  free(ew_grad);
   free(ds);
   free(dxs);
   free(sc.g);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/limits.h"
 #include "cpu/ref_internal.h"
 
 void mok_ref_num_init(mok_ref_num_t *n, const mok_ref_cfg_t *cfg) {
@@ -43,11 +44,13 @@ mokResult_t mok_ref_check_cfg(const mok_ref_cfg_t *cfg, char *err, size_t errlen
     return MOK_ERROR_NULL_POINTER;
   }
   const char *why = NULL;
-  if (cfg->H <= 0) why = "hidden size H must be positive";
-  else if (cfg->I <= 0) why = "intermediate size I must be positive";
-  else if (cfg->Is < 0) why = "shared intermediate size Is must be >= 0";
+  if (cfg->H <= 0 || cfg->H > MOK_MAX_DIM) why = "hidden size H must be in [1, 2^20]";
+  else if (cfg->I <= 0 || cfg->I > MOK_MAX_DIM) why = "intermediate size I must be in [1, 2^20]";
+  else if (cfg->Is < 0 || cfg->Is > MOK_MAX_DIM)
+    why = "shared intermediate size Is must be in [0, 2^20]";
   else if (cfg->W < 1) why = "number of ranks W must be >= 1";
-  else if (cfg->E < 1 || cfg->E % cfg->W != 0) why = "E must be a positive multiple of W";
+  else if (cfg->E < 1 || cfg->E % cfg->W != 0 || cfg->E > MOK_MAX_NUM_EXPERTS)
+    why = "E must be a positive multiple of W, at most 2^16";
   else if (cfg->K < 1 || cfg->K > cfg->E) why = "top-k K must be in [1, E]";
   else if (cfg->tile_m < 1) why = "tile_m must be >= 1";
   else if (cfg->precision != MOK_PRECISION_BF16 && cfg->precision != MOK_PRECISION_FP8_BLOCK &&
@@ -94,9 +97,16 @@ mokResult_t mok_ref_check_args(const mok_ref_cfg_t *cfg, const mok_ref_weights_t
       return MOK_ERROR_INVALID_VALUE;
     }
     const int tok = in[r].T > 0;
-    int bad = missing(w[r].wg, "w.wg", r, err, errlen) ||
-              missing(w[r].wu, "w.wu", r, err, errlen) ||
-              missing(w[r].wd, "w.wd", r, err, errlen) ||
+    /* Per-expert routed weights (ref.h) replace the routed arrays and weight gradients. */
+    const mok_ref_experts_t *ex = w[r].experts;
+    if (ex && (!ex->load || (backward && !ex->store))) {
+      mok_ref_set_error(err, errlen, "reference: w.experts of rank %d lacks its %s function", r,
+                        !ex->load ? "load" : "store");
+      return MOK_ERROR_NULL_POINTER;
+    }
+    int bad = (!ex && (missing(w[r].wg, "w.wg", r, err, errlen) ||
+                       missing(w[r].wu, "w.wu", r, err, errlen) ||
+                       missing(w[r].wd, "w.wd", r, err, errlen))) ||
               (shared && (missing(w[r].wsg, "w.wsg", r, err, errlen) ||
                           missing(w[r].wsu, "w.wsu", r, err, errlen) ||
                           missing(w[r].wsd, "w.wsd", r, err, errlen))) ||
@@ -111,12 +121,13 @@ mokResult_t mok_ref_check_args(const mok_ref_cfg_t *cfg, const mok_ref_weights_t
     if (!backward) {
       bad = bad || (tok && missing(out[r].y, "out.y", r, err, errlen));
     } else {
-      bad = bad || missing(w[r].wg_b, "w.wg_b", r, err, errlen) ||
-            missing(w[r].wu_b, "w.wu_b", r, err, errlen) ||
-            missing(w[r].wd_b, "w.wd_b", r, err, errlen) ||
-            missing(out[r].dwg, "out.dwg", r, err, errlen) ||
-            missing(out[r].dwu, "out.dwu", r, err, errlen) ||
-            missing(out[r].dwd, "out.dwd", r, err, errlen) ||
+      bad = bad ||
+            (!ex && (missing(w[r].wg_b, "w.wg_b", r, err, errlen) ||
+                     missing(w[r].wu_b, "w.wu_b", r, err, errlen) ||
+                     missing(w[r].wd_b, "w.wd_b", r, err, errlen) ||
+                     missing(out[r].dwg, "out.dwg", r, err, errlen) ||
+                     missing(out[r].dwu, "out.dwu", r, err, errlen) ||
+                     missing(out[r].dwd, "out.dwd", r, err, errlen))) ||
             (shared && (missing(w[r].wsg_b, "w.wsg_b", r, err, errlen) ||
                         missing(w[r].wsu_b, "w.wsu_b", r, err, errlen) ||
                         missing(w[r].wsd_b, "w.wsd_b", r, err, errlen) ||
@@ -199,6 +210,21 @@ mokResult_t mok_ref_quantize_rows(const mok_ref_cfg_t *cfg, const mok_ref_num_t 
   }
   *q = b;
   return MOK_SUCCESS;
+}
+
+void mok_ref_expert_weights(const mok_ref_cfg_t *cfg, const mok_ref_weights_t *w, int r,
+                            int64_t le, int backward, mok_ref_expert_t *e) {
+  memset(e, 0, sizeof(*e));
+  const mok_ref_weights_t *wr = &w[r];
+  if (wr->experts) {
+    wr->experts->load(wr->experts->user, r, le, backward, e);
+    return;
+  }
+  const int64_t n = cfg->I * cfg->H; /* elements of one expert's matrix */
+  e->wg = wr->wg + le * n, e->wu = wr->wu + le * n, e->wd = wr->wd + le * n;
+  if (backward) {
+    e->wg_b = wr->wg_b + le * n, e->wu_b = wr->wu_b + le * n, e->wd_b = wr->wd_b + le * n;
+  }
 }
 
 void mok_ref_gate_up(const mok_ref_num_t *n, const double *x, const double *wg, const double *wu,

@@ -88,8 +88,9 @@ void mok_ref_set_error(char *err, size_t errlen, const char *fmt, ...)
 /* Records an allocation failure in `what` (forward, ...); returns MOK_ERROR_OUT_OF_MEMORY. */
 mokResult_t mok_ref_oom(char *err, size_t errlen, const char *what);
 
-/* MOK_ERROR_INVALID_VALUE (detail in err) unless H, I > 0, Is >= 0, W >= 1, E % W == 0,
- * 1 <= K <= E, tile_m >= 1, a known precision and fp8 scale, exact only with BF16. */
+/* MOK_ERROR_INVALID_VALUE (detail in err) unless 0 < H, I <= 2^20, 0 <= Is <= 2^20, W >= 1,
+ * E % W == 0, E <= 2^16, 1 <= K <= E, tile_m >= 1, a known precision and fp8 scale, exact only
+ * with BF16 (the bounds of common/limits.h: every per-rank size then fits in int64). */
 mokResult_t mok_ref_check_cfg(const mok_ref_cfg_t *cfg, char *err, size_t errlen);
 
 /* Checks the pointers and token counts of a forward (backward = 0) or backward (1) call of W
@@ -120,6 +121,11 @@ mokResult_t mok_ref_quantize_rows(const mok_ref_cfg_t *cfg, const mok_ref_num_t 
 mokResult_t mok_ref_alloc_slots(const mok_ref_cfg_t *cfg, const mok_ref_in_t *in, int64_t width,
                                 double ***buf);
 void mok_ref_free_ranks(double **p, int W);
+
+/* The routed weights of local expert le of rank r (backward = 1: the backward copies too):
+ * slices of w[r]'s arrays, or what w[r].experts->load gives (ref.h). */
+void mok_ref_expert_weights(const mok_ref_cfg_t *cfg, const mok_ref_weights_t *w, int r,
+                            int64_t le, int backward, mok_ref_expert_t *e);
 
 /* The gate and up projections of one row, fp32 accumulations, not rounded:
  * g = x . Wg^T, u = x . Wu^T. x: [H]; wg, wu: [rows, H]; g, u: [rows]. */

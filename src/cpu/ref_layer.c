@@ -99,13 +99,17 @@ mokResult_t mok_ref_forward(const mok_ref_cfg_t *cfg, const mok_ref_weights_t *w
     goto done;
   }
 
-  /* Expert ranks: each local expert's rows in layout order; padding rows (src < 0) are skipped. */
+  /* Expert ranks: each local expert's rows in layout order; padding rows (src < 0) are skipped.
+   * An expert without rows is never read (so per-expert weights are never loaded for it). */
   for (int r = 0; r < W; r++) {
     for (int64_t le = 0; le < EL; le++) {
       const int64_t e = r * EL + le;
-      const double *wg = w[r].wg + le * I * H; /* [I, H] */
-      const double *wu = w[r].wu + le * I * H; /* [I, H] */
-      const double *wd = w[r].wd + le * H * I; /* [H, I] */
+      if (l.expert_rows[e] == 0) continue;
+      mok_ref_expert_t ew;
+      mok_ref_expert_weights(cfg, w, r, le, 0, &ew);
+      const double *wg = ew.wg; /* [I, H] */
+      const double *wu = ew.wu; /* [I, H] */
+      const double *wd = ew.wd; /* [H, I] */
       for (int64_t row = l.expert_start[e]; row < l.expert_start[e] + l.expert_rows[e]; row++) {
         const mok_row_origin_t o = l.row_from[r][row];
         if (o.src < 0) continue;

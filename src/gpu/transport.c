@@ -77,9 +77,10 @@ static mokResult_t tp_check_desc(const mok_transport_desc_t *d, int W) {
   if (d->max_tokens < 1 || d->max_tokens > (1 << 24))
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "transport: max_tokens %lld not in [1, 2^24]",
                     (long long)d->max_tokens);
-  if (d->hidden < 8 || d->hidden % 8)
+  if (d->hidden < 8 || d->hidden % 8 || d->hidden > MOK_MAX_DIM) /* the window's sizes fit */
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "transport: hidden %lld must be a positive multiple of 8 (16-byte rows)",
+                    "transport: hidden %lld must be a positive multiple of 8 (16-byte rows), at "
+                    "most 2^20",
                     (long long)d->hidden);
   if (d->num_experts < 1 || d->num_experts % W || d->num_experts > MOK_MAX_EXPERTS)
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
@@ -121,9 +122,11 @@ static void tp_free(mok_transport_t t) {
 mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
                                  const mok_transport_desc_t *desc) {
   if (out) *out = NULL;
-  if (!out || !comm || !desc)
+  if (!out || !desc)
     return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_transport_create: NULL argument");
-  mokResult_t res = tp_check_desc(desc, comm->nranks);
+  mokResult_t res = mok_comm_valid(comm, "mok_transport_create");
+  if (res != MOK_SUCCESS) return res;
+  res = tp_check_desc(desc, comm->nranks);
   if (res != MOK_SUCCESS) return res;
   if (comm->device < 0)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,

@@ -126,9 +126,9 @@ static mokResult_t cpu_backward(const bwd_problem_t *p, bwd_out_t *o,
   for (int i = 0; i < BWD_NW; i++) dw[i] = o->dw[i].data();
   const mok_backward_args_t g =
       test_backward_args(T, p->dy.data(), o->dx.data(), o->dtw.data(), dw, f.Is > 0);
-  r = mok_forward(c.l, &a, T ? y.data() : NULL, c.ctx, NULL);
+  r = mok_forward(c.l, &a, T ? y.data() : NULL, c.ctx, c.ctx_bytes, NULL);
   if (r == MOK_SUCCESS && gpu_ctx) bwd_inject_saved(p, *gpu_ctx, c.ctx);
-  if (r == MOK_SUCCESS) r = mok_backward(c.l, &a, &g, c.ctx, NULL);
+  if (r == MOK_SUCCESS) r = mok_backward(c.l, &a, &g, c.ctx, c.ctx_bytes, NULL);
   o->dx.resize((size_t)(T * H));
   o->dtw.resize((size_t)(T * K));
   for (int i = 0; i < BWD_NW; i++) o->dw[i].resize(bwd_w_bytes(p, i));
@@ -246,7 +246,7 @@ static mokResult_t bwd_gpu_backward(bwd_gpu_t *g, const bwd_problem_t *p, int64_
                                     const void *ctx, cudaStream_t stream) {
   const mok_forward_args_t a = test_gpu_layer_args(&g->f, T);
   const mok_backward_args_t b = test_backward_args(T, g->dy, g->dx, g->dtw, g->dw, p->f.Is > 0);
-  return mok_backward(g->f.l, &a, &b, ctx ? ctx : g->f.ctx, (mok_stream_t)stream);
+  return mok_backward(g->f.l, &a, &b, ctx ? ctx : g->f.ctx, g->f.ctx_bytes, (mok_stream_t)stream);
 }
 
 // Forward then backward of p's first T tokens on `stream`.

@@ -129,7 +129,7 @@ static mokResult_t cpu_forward(const fwd_problem_t *p, int64_t T, const uint16_t
   if (r != MOK_SUCCESS) return r;
   y->assign((size_t)(T * p->H), 0);
   const mok_forward_args_t a = test_forward_args(T, x, idx, tw, fwd_weights(p, Is > 0));
-  r = mok_forward(c.l, &a, T ? y->data() : NULL, c.ctx, NULL);
+  r = mok_forward(c.l, &a, T ? y->data() : NULL, c.ctx, c.ctx_bytes, NULL);
   if (r == MOK_SUCCESS && ctx) ctx->assign((uint8_t *)c.ctx, (uint8_t *)c.ctx + c.ctx_bytes);
   test_cpu_layer_close(&c);
   return r;

@@ -449,12 +449,14 @@ MOK_TEST(fwd_gpu_sizes_and_fp8_not_implemented) {
   MOK_EXPECT(mok_layer_workspace_size(l, &ws) == MOK_SUCCESS && ws == 0);
   void *buf = NULL, *ctx = NULL;
   MOK_REQUIRE(mok_context_size(l, &cb) == MOK_SUCCESS);
-  cudaMalloc(&buf, 1 << 20);
+  size_t qb = 0;
+  MOK_REQUIRE(mok_quantized_weights_size(l, &qb) == MOK_SUCCESS);
+  cudaMalloc(&buf, qb);
   cudaMalloc(&ctx, cb);
   mok_forward_args_t a;
   memset(&a, 0, sizeof(a));
-  a.w.quantized = buf;
-  MOK_EXPECT(mok_forward(l, &a, NULL, ctx, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  a.w.quantized = buf, a.w.quantized_bytes = qb;
+  MOK_EXPECT(mok_forward(l, &a, NULL, ctx, cb, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
   MOK_EXPECT(strstr(mok_layer_last_error(l), "fp8-block") != NULL);
   cudaFree(buf);
   cudaFree(ctx);

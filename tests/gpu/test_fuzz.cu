@@ -132,8 +132,8 @@ MOK_TEST(fuzz_gpu_soak) {
     cudaMemcpyAsync(g.f.idx, p.f.idx.data(), (size_t)(T * p.f.K) * 4, cudaMemcpyHostToDevice, 0);
     const mok_forward_args_t a = test_gpu_layer_args(&g.f, T);
     const mok_backward_args_t b = test_backward_args(T, g.dy, g.dx, g.dtw, g.dw, 1);
-    mokResult_t res = mok_forward(g.f.l, &a, g.f.y, g.f.ctx, NULL);
-    if (res == MOK_SUCCESS) res = mok_backward(g.f.l, &a, &b, g.f.ctx, NULL);
+    mokResult_t res = mok_forward(g.f.l, &a, g.f.y, g.f.ctx, g.f.ctx_bytes, NULL);
+    if (res == MOK_SUCCESS) res = mok_backward(g.f.l, &a, &b, g.f.ctx, g.f.ctx_bytes, NULL);
     if (res == MOK_SUCCESS && (n % 100 == 99 || n + 1 == calls)) res = mok_layer_check(g.f.l);
     if (res != MOK_SUCCESS && errors++ < 3) printf("    call %ld: %s\n", n, mok_last_error());
     if (n == 0) {

@@ -565,9 +565,9 @@ static void qt_check_layer(mok_precision_t prec, mok_fp8_scale_t scale) {
   MOK_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
   MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
 
-  MOK_REQUIRE_MSG(mok_quantize_weights(lc, &wh, hbuf.data(), NULL) == MOK_SUCCESS, "%s",
+  MOK_REQUIRE_MSG(mok_quantize_weights(lc, &wh, hbuf.data(), bytes, NULL) == MOK_SUCCESS, "%s",
                   mok_last_error());
-  const mokResult_t r = mok_quantize_weights(lg, &wd, dbuf, (mok_stream_t)s);
+  const mokResult_t r = mok_quantize_weights(lg, &wd, dbuf, bytes, (mok_stream_t)s);
   MOK_REQUIRE_MSG(r == MOK_SUCCESS, "GPU mok_quantize_weights: %s", mok_last_error());
   MOK_REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
   MOK_REQUIRE(cudaMemcpy(gbuf.data(), dbuf, bytes, cudaMemcpyDeviceToHost) == cudaSuccess);

@@ -121,7 +121,7 @@ static inline mok_forward_args_t test_gpu_layer_args(const test_gpu_layer_t *g, 
 /* A forward of the first T tokens into g's y and context, on `stream` (a cudaStream_t). */
 static inline mokResult_t test_gpu_layer_forward(test_gpu_layer_t *g, int64_t T, void *stream) {
   const mok_forward_args_t a = test_gpu_layer_args(g, T);
-  return mok_forward(g->l, &a, T ? g->y : NULL, g->ctx, (mok_stream_t)stream);
+  return mok_forward(g->l, &a, T ? g->y : NULL, g->ctx, g->ctx_bytes, (mok_stream_t)stream);
 }
 
 #ifdef __cplusplus

@@ -13,7 +13,7 @@
  *   test_cpu_layer_t c;
  *   test_cpu_layer_open(&c, &d);
  *   mok_forward_args_t a = test_forward_args(T, p.x, p.idx, p.tw, test_problem_weights(&p));
- *   mok_forward(c.l, &a, y, c.ctx, NULL);
+ *   mok_forward(c.l, &a, y, c.ctx, c.ctx_bytes, NULL);
  */
 #ifndef MOK_TESTS_SUPPORT_LAYER_H
 #define MOK_TESTS_SUPPORT_LAYER_H
