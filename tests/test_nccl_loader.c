@@ -19,7 +19,7 @@
 #include "mok.h"
 #include "test.h"
 #ifdef MOK_WITH_NCCL
-#include "gpu/nccl_loader.h"
+#include "common/nccl_loader.h"
 #endif
 
 /* ---- the dynamic section of an ELF64 file ---------------------------------------------------- */
@@ -131,7 +131,7 @@ MOK_TEST(nccl_libmok_does_not_link_nccl) {
                    path, d.needed[i]);
   for (int i = 0; i < d.n_undef_nccl; i++)
     MOK_EXPECT_MSG(0,
-                   "%s needs the symbol %s: call it through mok_nccl_api (src/gpu/nccl_loader.h)",
+                   "%s needs the symbol %s: call it through mok_nccl_api (src/common/nccl_loader.h)",
                    path, d.undef_nccl[i]);
 }
 

@@ -23,7 +23,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpu/nccl_loader.h"
+#include "common/nccl_loader.h"
 
 #define NL_SONAME "libnccl.so.2"
 

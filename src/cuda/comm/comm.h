@@ -40,7 +40,7 @@ typedef struct {
 /* The NCCL side of a communicator, an opaque pair (ncclComm_t, ncclDevComm). Every function
  * reports MOK_ERROR_NCCL / MOK_ERROR_CUDA with the library's message, or MOK_ERROR_NOT_AVAILABLE
  * with the reason (built without NCCL, no NCCL at run time or one too old or too new for the
- * headers: see src/gpu/nccl_loader.h, no symmetric memory, ranks outside one NVLink domain, no
+ * headers: see src/common/nccl_loader.h, no symmetric memory, ranks outside one NVLink domain, no
  * peer access). */
 mokResult_t mok_nccl_get_unique_id(void *id, size_t id_bytes);
 mokResult_t mok_nccl_comm_init_rank(void **nccl, const void *id, int rank, int nranks, int device);

@@ -36,7 +36,7 @@ extern "C" {
 
 #include <type_traits>
 
-#include "gpu/nccl_loader.h"
+#include "common/nccl_loader.h"
 
 // The loader's table has the headers' signatures, function by function.
 #define NW_SAME_SIGNATURE(ret, name, params)                                               \
