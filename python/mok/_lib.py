@@ -69,6 +69,14 @@ def _find_library():
 def load():
     path = _find_library()
     lib = ctypes.CDLL(path)
+    # The version first: a library of another version may lack a function declared below.
+    lib.mok_version.argtypes, lib.mok_version.restype = [], ctypes.c_int
+    code = lib.mok_version()
+    if code != VERSION_CODE:
+        got = f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+        raise MokError("VERSION_MISMATCH", f"{path} is MoK {got}, this binding (mok "
+                       f"{'.'.join(map(str, VERSION))}) needs the same version: rebuild the "
+                       "library (make) or reinstall the package (pip install .)")
     vp, res, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     sigs = {
         "mok_version": ([], ctypes.c_int),
@@ -89,12 +97,6 @@ def load():
     for name, (argtypes, restype) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    code = lib.mok_version()
-    if code != VERSION_CODE:
-        got = f"{code // 10000}.{code // 100 % 100}.{code % 100}"
-        raise MokError("VERSION_MISMATCH", f"{path} is MoK {got}, this binding (mok "
-                       f"{'.'.join(map(str, VERSION))}) needs the same version: rebuild the "
-                       "library (make) or reinstall the package (pip install .)")
     return lib
 
 

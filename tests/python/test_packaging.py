@@ -152,3 +152,20 @@ def test_make_install_and_pkg_config_build_a_c_program(tmp_path):
     run_or_skip(["make", "uninstall", f"PREFIX={prefix}"], "make uninstall", cwd=ROOT)
     assert not any(os.path.exists(os.path.join(prefix, f))
                    for f in ("include/mok.h", "lib/libmok.so", "lib/pkgconfig/mok.pc"))
+
+
+def test_a_library_of_another_version_is_refused(tmp_path, monkeypatch):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / "libmok_old.so"
+    src = tmp_path / "old.c"
+    src.write_text("int mok_version(void) { return 100; }\n")  # 0.1.0, and nothing else
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(so)], check=True, timeout=60)
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import mok
+    monkeypatch.setattr(mok._lib, "_find_library", lambda: str(so))
+    with pytest.raises(mok.MokError) as e:
+        mok._lib.load()
+    assert e.value.code == "VERSION_MISMATCH"
+    assert "is MoK 0.1.0" in str(e.value) and "mok 0.2.0" in str(e.value), str(e.value)
