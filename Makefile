@@ -149,3 +149,23 @@ nccl-info:
 
 clean:
 	rm -rf $(BUILD)
+
+# `make install PREFIX=/usr/local` (DESTDIR= for staging): include/mok.h, lib/libmok.so and
+# lib/pkgconfig/mok.pc, so that `cc app.c $(pkg-config --cflags --libs mok)` builds against it
+# (at run time the loader must find $(PREFIX)/lib: a system directory, or LD_LIBRARY_PATH).
+# The version is the header's MOK_VERSION_*. `make uninstall PREFIX=...` removes the three files.
+PREFIX      ?= /usr/local
+MOK_VERSION := $(shell awk '/^\#define MOK_VERSION_(MAJOR|MINOR|PATCH) /{v = v (v == "" ? "" : ".") $$3} END {print v}' include/mok.h)
+
+.PHONY: install uninstall
+install: $(BUILD)/libmok.so
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 include/mok.h $(DESTDIR)$(PREFIX)/include/mok.h
+	install -m 755 $(BUILD)/libmok.so $(DESTDIR)$(PREFIX)/lib/libmok.so
+	printf '%s\n' 'prefix=$(PREFIX)' 'includedir=$${prefix}/include' 'libdir=$${prefix}/lib' '' \
+	  'Name: mok' 'Description: Fused Mixture-of-Experts layer (C11/CUDA)' 'Version: $(MOK_VERSION)' \
+	  'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lmok' > $(DESTDIR)$(PREFIX)/lib/pkgconfig/mok.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/include/mok.h $(DESTDIR)$(PREFIX)/lib/libmok.so \
+	  $(DESTDIR)$(PREFIX)/lib/pkgconfig/mok.pc

@@ -13,6 +13,10 @@ torch.cuda.current_device()) the GPU backend, which runs forward and backward of
 (W = 1) and reports NOT_IMPLEMENTED for fp8 until those kernels land. A CPU layer takes host
 memory (numpy arrays, torch CPU tensors), a GPU layer torch tensors on its device.
 
+mok.__version__ is the C library's version (MOK_VERSION_* of include/mok.h). `import mok` loads
+libmok.so (the one installed with the package, else $MOK_LIBRARY, else the source tree's
+build/libmok.so) and raises MokError(VERSION_MISMATCH) when its mok_version() is another.
+
 Every failure raises MokError: .code is the name of a mokResult_t (INVALID_SHAPE, INVALID_VALUE,
 WRONG_DEVICE, INVALID_ROUTING, ...), and the message names the argument ("x", "topk_idx",
 "w['wg']", "grads['dx']", ...) with what was expected and what came.
@@ -22,8 +26,12 @@ import ctypes
 from . import _check
 from ._lib import DEVICE_CPU, PRECISIONS, MokError, lib, check
 from ._lib import LayerDesc, Weights, ForwardArgs, BackwardArgs, VERSION_CODE
+from ._version import VERSION
 
-__all__ = ["Layer", "MokError", "bf16_from_float32", "float32_from_bf16"]
+__version__ = ".".join(map(str, VERSION))
+__all__ = ["Layer", "MokError", "bf16_from_float32", "float32_from_bf16", "__version__"]
+
+lib()  # loads libmok.so now: a missing library or one of another version fails the import
 
 
 def bf16_from_float32(a):

@@ -6,6 +6,8 @@ so a drift between the two shows up as MokError(VERSION_MISMATCH), never as sile
 import ctypes
 import os
 
+from ._version import VERSION
+
 RESULTS = [
     "SUCCESS", "NULL_POINTER", "INVALID_VALUE", "INVALID_SHAPE", "MISALIGNED", "VERSION_MISMATCH",
     "WRONG_DEVICE", "NO_DEVICE", "NOT_IMPLEMENTED", "NOT_AVAILABLE", "OUT_OF_MEMORY", "CUDA", "NCCL",
@@ -13,7 +15,7 @@ RESULTS = [
 ]
 PRECISIONS = {"bf16": 0, "fp8-block": 1, "mxfp8": 2}
 DEVICE_CPU = -1
-VERSION_CODE = 200  # MOK_VERSION_CODE of the header these structs mirror
+VERSION_CODE = VERSION[0] * 10000 + VERSION[1] * 100 + VERSION[2]  # MOK_VERSION_CODE
 
 
 class MokError(RuntimeError):
@@ -52,15 +54,29 @@ class BackwardArgs(ctypes.Structure):
 
 
 def _find_library():
+    """The library to load: the one installed next to the package (`pip install .`), else
+    $MOK_LIBRARY, else the source tree's build/libmok.so (`make`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(here, "libmok.so")
+    if os.path.exists(packaged):
+        return packaged
     env = os.environ.get("MOK_LIBRARY")
     if env:
         return env
-    here = os.path.dirname(os.path.abspath(__file__))
     return os.path.join(here, "..", "..", "build", "libmok.so")
 
 
 def load():
-    lib = ctypes.CDLL(_find_library())
+    path = _find_library()
+    lib = ctypes.CDLL(path)
+    # The version first: a library of another version may lack a function declared below.
+    lib.mok_version.argtypes, lib.mok_version.restype = [], ctypes.c_int
+    code = lib.mok_version()
+    if code != VERSION_CODE:
+        got = f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+        raise MokError("VERSION_MISMATCH", f"{path} is MoK {got}, this binding (mok "
+                       f"{'.'.join(map(str, VERSION))}) needs the same version: rebuild the "
+                       "library (make) or reinstall the package (pip install .)")
     vp, res, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     sigs = {
         "mok_version": ([], ctypes.c_int),
@@ -81,9 +97,6 @@ def load():
     for name, (argtypes, restype) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    if lib.mok_version() // 100 != VERSION_CODE // 100:
-        raise MokError("VERSION_MISMATCH", f"libmok.so is version {lib.mok_version()}, "
-                       f"the binding expects {VERSION_CODE}")
     return lib
 
 
