@@ -54,15 +54,16 @@ class BackwardArgs(ctypes.Structure):
 
 
 def _find_library():
-    """The library to load: the one installed next to the package (`pip install .`), else
-    $MOK_LIBRARY, else the source tree's build/libmok.so (`make`)."""
+    """The library to load: $MOK_LIBRARY when set (an explicit choice: the benchmarks' driver
+    library, another build for an A/B), else the one installed next to the package (`pip install
+    .`), else the source tree's build/libmok.so (`make`)."""
+    env = os.environ.get("MOK_LIBRARY")
+    if env:
+        return env
     here = os.path.dirname(os.path.abspath(__file__))
     packaged = os.path.join(here, "libmok.so")
     if os.path.exists(packaged):
         return packaged
-    env = os.environ.get("MOK_LIBRARY")
-    if env:
-        return env
     return os.path.join(here, "..", "..", "build", "libmok.so")
 
 
