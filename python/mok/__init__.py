@@ -14,7 +14,7 @@ torch.cuda.current_device()) the GPU backend, which runs forward and backward of
 memory (numpy arrays, torch CPU tensors), a GPU layer torch tensors on its device.
 
 mok.__version__ is the C library's version (MOK_VERSION_* of include/mok.h). `import mok` loads
-libmok.so (the one installed with the package, else $MOK_LIBRARY, else the source tree's
+libmok.so ($MOK_LIBRARY when set, else the one installed with the package, else the source tree's
 build/libmok.so) and raises MokError(VERSION_MISMATCH) when its mok_version() is another.
 
 Every failure raises MokError: .code is the name of a mokResult_t (INVALID_SHAPE, INVALID_VALUE,
