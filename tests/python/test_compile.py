@@ -107,3 +107,14 @@ def test_opcheck():
     opcheck(torch.ops.mok.forward.default,
             (moe.layer_id, x, idx, tw, moe.wg, moe.wu, moe.wd, None, None, None),
             test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_compiled_model_still_raises_the_layer_errors():
+    import mok
+    model = Model()
+    x, idx, tw, _ = inputs(torch.int64)
+    idx[0, 0] = 2 ** 32 + 1  # would wrap to expert 1 as int32
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(mok.MokError) as info:
+        compiled(x, idx, tw)
+    assert info.value.code == "INVALID_ROUTING" and "topk_idx[0, 0]" in str(info.value)
