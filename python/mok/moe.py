@@ -221,6 +221,55 @@ class MoE(torch.nn.Module):
         else:
             self.wsg = self.wsu = self.wsd = None
 
+    @classmethod
+    def from_experts(cls, down, gate_up=None, *, gate=None, up=None, top_k, max_tokens,
+                     shared_gate=None, shared_up=None, shared_down=None, precision="bf16",
+                     device=None, recompute=False):
+        """A MoE whose parameters are copies of stacked expert weights (PyTorch Linear layout):
+        down [E, H, I] and either gate_up [E, 2I, H] (gate rows first, then up: gate =
+        gate_up[:, :I]) or gate and up [E, I, H]; optionally a shared expert shared_gate,
+        shared_up [Is, H], shared_down [H, Is]. The parameters keep the tensors' floating dtype
+        (the layer rounds to bf16 per call). device: the layer's; None takes down's device.
+        A missing, extra or misshapen weight raises MokError naming it."""
+        def shape(name, t, want):
+            if not isinstance(t, torch.Tensor):
+                raise MokError("INVALID_VALUE", f"{name}: expected a torch tensor, got "
+                                                f"{type(t).__name__}")
+            if not t.is_floating_point():
+                raise MokError("INVALID_VALUE", f"{name}: dtype {t.dtype}, expected a floating dtype")
+            if t.dim() != len(want) or any(w is not None and s != w for s, w in zip(t.shape, want)):
+                text = ", ".join("?" if w is None else str(w) for w in want)
+                raise MokError("INVALID_SHAPE", f"{name}: shape {list(t.shape)}, expected [{text}]")
+
+        shape("down", down, (None, None, None))
+        E, H, I = down.shape
+        if (gate_up is None) == (gate is None and up is None) or (gate is None) != (up is None):
+            raise MokError("INVALID_VALUE", "gate_up: pass either gate_up [E, 2I, H] or both gate "
+                                            "and up [E, I, H]")
+        if gate_up is not None:
+            shape("gate_up", gate_up, (E, 2 * I, H))
+            gate, up = gate_up[:, :I], gate_up[:, I:]
+        shape("gate", gate, (E, I, H))
+        shape("up", up, (E, I, H))
+        shared = (shared_gate, shared_up, shared_down)
+        Is = 0
+        if any(t is not None for t in shared):
+            if any(t is None for t in shared):
+                raise MokError("INVALID_VALUE", "shared_gate, shared_up, shared_down: pass all "
+                                                "three or none")
+            shape("shared_down", shared_down, (H, None))
+            Is = shared_down.shape[1]
+            shape("shared_gate", shared_gate, (Is, H))
+            shape("shared_up", shared_up, (Is, H))
+        moe = cls(H, I, E, top_k, max_tokens, Is, precision,
+                  down.device if device is None else device, recompute)
+        target = torch.device(moe.layer.device)
+        for name, t in zip(_NAMES, (gate, up, down) + (shared if Is else (None,) * 3)):
+            if t is not None:
+                p = torch.nn.Parameter(t.detach().to(target).clone(memory_format=torch.contiguous_format))
+                setattr(moe, name, p)
+        return moe
+
     def forward(self, x, topk_idx, topk_w):
         if not topk_w.is_floating_point():
             raise MokError("INVALID_VALUE", f"topk_w: dtype {topk_w.dtype}, expected a floating "
