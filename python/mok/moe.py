@@ -1,4 +1,6 @@
-"""moe.py: the PyTorch face of MoK: an autograd Function over mok.Layer and an nn.Module.
+"""moe.py: the PyTorch face of MoK: the custom ops mok::forward, mok::backward over mok.Layer
+(with fake implementations and autograd, so torch.compile(fullgraph=True) traces them) and an
+nn.Module.
 
     from mok.moe import MoE
     moe = MoE(hidden=2048, intermediate=768, num_experts=128, top_k=8, max_tokens=16384,
@@ -25,8 +27,13 @@ bf16 for each call (a copy per forward; the layer computes in bf16), never reint
 their gradients (fp32 from the library) come back in the parameters' dtype, so fp32 master weights
 get the fp32 gradient itself. Parameters must stay on the layer's device: moe.to(another device)
 makes forward raise WRONG_DEVICE. fp8 layers quantize the weights at every forward.
+The ops take the layer as an int (MoE.layer_id) and the parameters as they are; backward rounds
+non-bf16 parameters to bf16 again (a second copy) rather than keep the forward's copies.
 """
+import itertools
 import math
+import weakref
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -62,35 +69,128 @@ def _bf16(name, p):
     return p.detach().to(torch.bfloat16).contiguous()
 
 
-class _MoEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layer, x, topk_idx, topk_w, *weights):
-        w = {k: _bf16(k, v) for k, v in zip(_NAMES, weights) if v is not None}
-        x, topk_idx, topk_w = x.detach().contiguous(), topk_idx.contiguous(), topk_w.detach().contiguous()
-        y = torch.empty_like(x)
-        saved = torch.empty(layer.context_bytes(), dtype=torch.uint8, device=x.device)
-        quantized = None
-        if layer.desc.precision != 0:
-            quantized = torch.empty(layer.quantized_weights_bytes(), dtype=torch.uint8, device=x.device)
-            layer.quantize_weights(w, quantized)
-        layer.forward(x, topk_idx, topk_w, w, y, saved, quantized, _stream(x))
-        ctx.layer, ctx.w, ctx.quantized = layer, w, quantized
-        ctx.dtypes = {k: v.dtype for k, v in zip(_NAMES, weights) if v is not None}
-        ctx.save_for_backward(x, topk_idx, topk_w, saved)
-        return y
+# ---- the layer as torch.library custom ops -----------------------------------------------------
+# torch.compile cannot trace a ctypes handle, so the ops name their layer by an int: a key into
+# _LAYERS, which each MoE fills at construction (weakly: the module owns its layer). Dynamo sees
+# the id as a constant of the module, the ops as opaque calls, and the fake (meta) implementations
+# below give it the output shapes and dtypes; autograd reaches mok::backward through
+# register_autograd. The real implementations call mok.Layer, so every check of _check.py runs.
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, topk_idx, topk_w, saved = ctx.saved_tensors
-        layer, w = ctx.layer, ctx.w
-        dy = dy.to(torch.bfloat16).contiguous()  # y is bf16, so dy is; a sum's dy is expanded
-        grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(topk_w)}
-        wgrad = torch.float32 if layer.desc.wgrad_dtype else torch.bfloat16
-        for k, v in w.items():
-            grads["d" + k] = torch.empty(v.shape, dtype=wgrad, device=v.device)
-        layer.backward(x, topk_idx, topk_w, w, saved, dy, grads, ctx.quantized, _stream(x))
-        dws = [grads["d" + k].to(ctx.dtypes[k]) if k in w else None for k in _NAMES]
-        return (None, grads["dx"], None, grads["dtopk_w"], *dws)
+_LAYERS = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count()
+
+
+def _register(layer):
+    layer_id = next(_NEXT_ID)
+    _LAYERS[layer_id] = layer
+    return layer_id
+
+
+def _layer(layer_id):
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        raise MokError("INVALID_VALUE", f"layer id {layer_id}: no live mok.Layer has it (its MoE "
+                                        f"module was freed)")
+    return layer
+
+
+def _weights(wg, wu, wd, wsg, wsu, wsd):
+    return {k: _bf16(k, v) for k, v in zip(_NAMES, (wg, wu, wd, wsg, wsu, wsd)) if v is not None}
+
+
+def _forward(layer_id: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, wsg: Optional[torch.Tensor],
+                wsu: Optional[torch.Tensor], wsd: Optional[torch.Tensor]
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y [T, H], the saved context (context_bytes() bytes) and the quantized weights (empty for a
+    bf16 layer). topk_idx: any integer dtype (_expert_ids); topk_w fp32; weights any float dtype."""
+    layer = _layer(layer_id)
+    w = _weights(wg, wu, wd, wsg, wsu, wsd)
+    x, topk_w = x.contiguous(), topk_w.contiguous()
+    topk_idx = _expert_ids(layer, topk_idx)
+    y = torch.empty_like(x)
+    saved = torch.empty(layer.context_bytes(), dtype=torch.uint8, device=x.device)
+    quantized = torch.empty(0, dtype=torch.uint8, device=x.device)
+    if layer.desc.precision != 0:
+        quantized = torch.empty(layer.quantized_weights_bytes(), dtype=torch.uint8, device=x.device)
+        layer.quantize_weights(w, quantized)
+    layer.forward(x, topk_idx, topk_w, w, y, saved, quantized if quantized.numel() else None,
+                  _stream(x))
+    return y, saved, quantized
+
+
+_forward_op = torch.library.custom_op("mok::forward", _forward, mutates_args=())
+
+
+def _on_meta(*tensors):
+    """Plain meta tensors (a module moved .to("meta")), not the fake tensors of a trace, whose
+    device is the one they stand for: the Meta dispatch key runs the fake implementation for
+    them, which hands them to the real one so that mok.Layer raises WRONG_DEVICE naming them."""
+    return any(t is not None and t.device.type == "meta" for t in tensors)
+
+
+@_forward_op.register_fake
+def _(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd):
+    if _on_meta(x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd):
+        return _forward(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd)
+    layer = _layer(layer_id)
+    q = layer.quantized_weights_bytes() if layer.desc.precision != 0 else 0
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(layer.context_bytes(), dtype=torch.uint8),
+            x.new_empty(q, dtype=torch.uint8))
+
+
+@torch.library.custom_op("mok::backward", mutates_args=())
+def _backward_op(layer_id: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                 wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, wsg: Optional[torch.Tensor],
+                 wsu: Optional[torch.Tensor], wsd: Optional[torch.Tensor], saved: torch.Tensor,
+                 quantized: torch.Tensor, dy: torch.Tensor) -> List[torch.Tensor]:
+    """[dx, dtopk_w, then the gradient of each weight given], each weight's in its dtype."""
+    layer = _layer(layer_id)
+    given = [v for v in (wg, wu, wd, wsg, wsu, wsd) if v is not None]
+    w = _weights(wg, wu, wd, wsg, wsu, wsd)
+    x, topk_w = x.contiguous(), topk_w.contiguous()
+    topk_idx = _expert_ids(layer, topk_idx)
+    dy = dy.to(torch.bfloat16).contiguous()  # y is bf16, so dy is; a sum's dy is expanded
+    grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(topk_w)}
+    wgrad = torch.float32 if layer.desc.wgrad_dtype else torch.bfloat16
+    for k, v in w.items():
+        grads["d" + k] = torch.empty(v.shape, dtype=wgrad, device=v.device)
+    layer.backward(x, topk_idx, topk_w, w, saved, dy, grads,
+                   quantized if quantized.numel() else None, _stream(x))
+    return [grads["dx"], grads["dtopk_w"]] + [grads["d" + k].to(v.dtype)
+                                              for k, v in zip(w, given)]
+
+
+@_backward_op.register_fake
+def _(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd, saved, quantized, dy):
+    given = [v for v in (wg, wu, wd, wsg, wsu, wsd) if v is not None]
+    fresh = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return [fresh(x), fresh(topk_w)] + [fresh(v) for v in given]
+
+
+def _setup_context(ctx, inputs, output):
+    layer_id, x, topk_idx, topk_w, *weights = inputs
+    _, saved, quantized = output
+    # the layer outlives a temporary module until backward (eager: MoE(...)(x, ...).sum().backward())
+    ctx.layer_id, ctx.layer = layer_id, _LAYERS.get(layer_id)
+    ctx.present = [v is not None for v in weights]
+    ctx.mark_non_differentiable(saved, quantized)
+    ctx.save_for_backward(x, topk_idx, topk_w, *[v for v in weights if v is not None], saved,
+                          quantized)
+
+
+def _backward(ctx, dy, _dsaved, _dquantized):
+    x, topk_idx, topk_w, *rest = ctx.saved_tensors
+    given, (saved, quantized) = iter(rest[:-2]), rest[-2:]
+    weights = [next(given) if p else None for p in ctx.present]
+    grads = torch.ops.mok.backward(ctx.layer_id, x, topk_idx, topk_w, *weights, saved, quantized,
+                                   dy)
+    dws = iter(grads[2:])
+    return (None, grads[0], None, grads[1], *[next(dws) if p else None for p in ctx.present])
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class MoE(torch.nn.Module):
@@ -107,6 +207,7 @@ class MoE(torch.nn.Module):
         super().__init__()
         self.layer = Layer(hidden, intermediate, num_experts, top_k, max_tokens,
                            shared_intermediate, precision, device, recompute=recompute)
+        self.layer_id = _register(self.layer)  # how the ops (and torch.compile) name the layer
         device = torch.device(self.layer.device)  # "cuda" resolved to its ordinal
         H, I, E, Is = hidden, intermediate, num_experts, shared_intermediate
 
@@ -120,10 +221,59 @@ class MoE(torch.nn.Module):
         else:
             self.wsg = self.wsu = self.wsd = None
 
+    @classmethod
+    def from_experts(cls, down, gate_up=None, *, gate=None, up=None, top_k, max_tokens,
+                     shared_gate=None, shared_up=None, shared_down=None, precision="bf16",
+                     device=None, recompute=False):
+        """A MoE whose parameters are copies of stacked expert weights (PyTorch Linear layout):
+        down [E, H, I] and either gate_up [E, 2I, H] (gate rows first, then up: gate =
+        gate_up[:, :I]) or gate and up [E, I, H]; optionally a shared expert shared_gate,
+        shared_up [Is, H], shared_down [H, Is]. The parameters keep the tensors' floating dtype
+        (the layer rounds to bf16 per call). device: the layer's; None takes down's device.
+        A missing, extra or misshapen weight raises MokError naming it."""
+        def shape(name, t, want):
+            if not isinstance(t, torch.Tensor):
+                raise MokError("INVALID_VALUE", f"{name}: expected a torch tensor, got "
+                                                f"{type(t).__name__}")
+            if not t.is_floating_point():
+                raise MokError("INVALID_VALUE", f"{name}: dtype {t.dtype}, expected a floating dtype")
+            if t.dim() != len(want) or any(w is not None and s != w for s, w in zip(t.shape, want)):
+                text = ", ".join("?" if w is None else str(w) for w in want)
+                raise MokError("INVALID_SHAPE", f"{name}: shape {list(t.shape)}, expected [{text}]")
+
+        shape("down", down, (None, None, None))
+        E, H, I = down.shape
+        if (gate_up is None) == (gate is None and up is None) or (gate is None) != (up is None):
+            raise MokError("INVALID_VALUE", "gate_up: pass either gate_up [E, 2I, H] or both gate "
+                                            "and up [E, I, H]")
+        if gate_up is not None:
+            shape("gate_up", gate_up, (E, 2 * I, H))
+            gate, up = gate_up[:, :I], gate_up[:, I:]
+        shape("gate", gate, (E, I, H))
+        shape("up", up, (E, I, H))
+        shared = (shared_gate, shared_up, shared_down)
+        Is = 0
+        if any(t is not None for t in shared):
+            if any(t is None for t in shared):
+                raise MokError("INVALID_VALUE", "shared_gate, shared_up, shared_down: pass all "
+                                                "three or none")
+            shape("shared_down", shared_down, (H, None))
+            Is = shared_down.shape[1]
+            shape("shared_gate", shared_gate, (Is, H))
+            shape("shared_up", shared_up, (Is, H))
+        moe = cls(H, I, E, top_k, max_tokens, Is, precision,
+                  down.device if device is None else device, recompute)
+        target = torch.device(moe.layer.device)
+        for name, t in zip(_NAMES, (gate, up, down) + (shared if Is else (None,) * 3)):
+            if t is not None:
+                p = torch.nn.Parameter(t.detach().to(target).clone(memory_format=torch.contiguous_format))
+                setattr(moe, name, p)
+        return moe
+
     def forward(self, x, topk_idx, topk_w):
         if not topk_w.is_floating_point():
             raise MokError("INVALID_VALUE", f"topk_w: dtype {topk_w.dtype}, expected a floating "
                                             f"dtype (fp32; others are rounded to fp32)")
-        return _MoEFunction.apply(self.layer, x, _expert_ids(self.layer, topk_idx),
-                                  topk_w.to(torch.float32), self.wg, self.wu, self.wd, self.wsg,
-                                  self.wsu, self.wsd)
+        y, _, _ = torch.ops.mok.forward(self.layer_id, x, topk_idx, topk_w.to(torch.float32),
+                                        self.wg, self.wu, self.wd, self.wsg, self.wsu, self.wsd)
+        return y
