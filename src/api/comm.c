@@ -51,8 +51,6 @@ mokResult_t mok_comm_create_local(mok_comm_t *out, int device) {
 
 #ifdef MOK_WITH_NCCL
 #include "cuda/comm/comm.h"
-#include "cuda/forward/forward.h"
-#include "cuda/quant/quant.h"
 
 /* Wraps an NCCL communicator on `device`; creates the device communicator (collective), which
  * is where NCCL tells us whether symmetric memory works. */

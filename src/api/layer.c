@@ -11,8 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda/backward/backward.h"
-#include "cuda/forward/forward.h"
 #include "cuda/quant/quant.h"
 #include "api/api.h"
 #include "common/limits.h"

@@ -9,10 +9,9 @@
  */
 #include <stdlib.h>
 
+#include "cuda/quant/quant.h" /* mok_quantize_weights_gpu (its stub without CUDA) */
 #include "common/checked.h"
 #include "cpu/quant.h"
-#include "cuda/forward/forward.h"
-#include "cuda/quant/quant.h"
 #include "api/api.h"
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }

@@ -41,8 +41,6 @@
 
 #include "cuda/backward/backward.h"
 #include "cuda/forward/forward.h"
-#include "cuda/gemm/gemm.h"
-#include "cuda/quant/quant.h"
 
 /* ---- weight gradients ------------------------------------------------------------------------- */
 

@@ -12,7 +12,6 @@
 
 #ifdef MOK_WITH_CUDA
 #include "cuda/forward/forward.h"
-#include "cuda/gemm/gemm.h"
 #endif
 
 #ifdef MOK_WITH_CUDA

@@ -31,7 +31,6 @@
 #include "../support/gpu.h"
 #include "../support/rng.h"
 #include "../test.h"
-#include "cuda/forward/forward.h"
 #include "cuda/quant/quant.h"
 #include "cuda/quant/quantize.cuh"
 #include "api/api.h"

@@ -23,9 +23,6 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "cuda/comm/comm.h"
-#include "cuda/forward/forward.h"
-#include "cuda/quant/quant.h"
 #include "../test.h"
 
 #ifdef MOK_WITH_NCCL

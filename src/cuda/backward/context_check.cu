@@ -19,7 +19,6 @@
 
 #include "cuda/error_word.cuh"
 #include "cuda/backward/backward.h"
-#include "cuda/forward/forward.h"
 #include "common/context.h"
 #include "common/status.h"
 #include "common/workspace.h"

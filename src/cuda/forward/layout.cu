@@ -40,7 +40,6 @@
 #include <stdint.h>
 
 #include "cuda/error_word.cuh"
-#include "cuda/backward/backward.h"
 #include "cuda/forward/forward.h"
 #include "common/context.h"
 #include "common/status.h"

@@ -37,7 +37,6 @@
 #include <string.h>
 
 #include "cuda/tile/epilogue.cuh"
-#include "cuda/backward/backward.h"
 #include "cuda/gemm/gemm.h"
 #include "cuda/ptx/ptx.cuh"
 #include "cuda/tile/barriers.cuh"
