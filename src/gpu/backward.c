@@ -97,12 +97,9 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, K = l->d.top_k, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
-  char *ws = l->gpu->ws;
-  mok_ws_layout_t lay;
-  const mok_ws_dims_t dims = mok_ws_dims(&l->d, E, R);
-  mok_ws_layout(&dims, &lay);
-#define WS(region) ((void *)(ws + lay.ws[region]))
-#define CTX(region) ((const void *)(ctx + lay.ctx[region]))
+  const mok_ws_layout_t *lay = &l->gpu->lay; /* computed once, at mok_layer_create */
+#define WS(region) mok_gpu_ws(l, region)
+#define CTX(region) ((const void *)(ctx + lay->ctx[region]))
 
   /* 1. Does the context belong to this call? (status, offsets, shared_offsets) */
   mok_bwd_local_params_t p;

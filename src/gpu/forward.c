@@ -32,33 +32,32 @@ static mok_fwd_local_params_t gpu_local_params(mok_layer_t l, const mok_forward_
   const mok_ws_layout_t *lay = &g->lay;
   const int64_t T = a->num_tokens, H = l->d.hidden, Is = l->d.shared_intermediate, E = l->EL,
                 R = l->capacity_rows;
-  char *ws = g->ws;
 
   mok_fwd_local_params_t p;
   memset(&p, 0, sizeof(p));
   p.T = T, p.H = H, p.E = E, p.K = l->d.top_k, p.Is = Is, p.capacity_rows = R;
   p.topk_idx = a->topk_idx, p.topk_w = a->topk_w, p.x = a->x, p.y = y;
-  p.err = ws + lay->ws[MOK_WS_ERROR];
-  p.status = (int32_t *)(ws + lay->ws[MOK_WS_STATUS]);
-  p.offsets = (int32_t *)(ws + lay->ws[MOK_WS_OFFSETS]);
-  p.shared_offsets = (int32_t *)(ws + lay->ws[MOK_WS_SHARED_OFFSETS]);
-  p.slot_row = (int32_t *)(ws + lay->ws[MOK_WS_SLOT_ROW]);
-  p.row_w = (float *)(ws + lay->ws[MOK_WS_ROW_W]);
-  p.xg = ws + lay->ws[MOK_WS_XG];
-  p.yk = ws + lay->ws[MOK_WS_YK];
-  p.ys = Is > 0 ? (const float *)(ws + lay->ws[MOK_WS_YS]) : NULL;
+  p.err = mok_gpu_ws(l, MOK_WS_ERROR);
+  p.status = (int32_t *)mok_gpu_ws(l, MOK_WS_STATUS);
+  p.offsets = (int32_t *)mok_gpu_ws(l, MOK_WS_OFFSETS);
+  p.shared_offsets = (int32_t *)mok_gpu_ws(l, MOK_WS_SHARED_OFFSETS);
+  p.slot_row = (int32_t *)mok_gpu_ws(l, MOK_WS_SLOT_ROW);
+  p.row_w = (float *)mok_gpu_ws(l, MOK_WS_ROW_W);
+  p.xg = mok_gpu_ws(l, MOK_WS_XG);
+  p.yk = mok_gpu_ws(l, MOK_WS_YK);
+  p.ys = Is > 0 ? (const float *)mok_gpu_ws(l, MOK_WS_YS) : NULL;
   p.ctx_header = ctx + lay->ctx[MOK_CTX_HEADER];
   p.ctx_slot_row = (int32_t *)(ctx + lay->ctx[MOK_CTX_SLOT_ROW]);
   p.ctx_offsets = (int32_t *)(ctx + lay->ctx[MOK_CTX_OFFSETS]);
   p.layer_id = l->id;
   p.context_mode = l->d.context_mode;
-  p.row_tok = (int32_t *)(ws + lay->ws[MOK_WS_ROW_TOK]);
-  p.tile_pre = (int32_t *)(ws + lay->ws[MOK_WS_TILE_PRE]);
-  p.red_pre = (int32_t *)(ws + lay->ws[MOK_WS_RED_PRE]);
-  p.red_order = (int32_t *)(ws + lay->ws[MOK_WS_RED_ORDER]);
-  p.counters = (uint32_t *)(ws + lay->ws[MOK_WS_COUNTERS]);
+  p.row_tok = (int32_t *)mok_gpu_ws(l, MOK_WS_ROW_TOK);
+  p.tile_pre = (int32_t *)mok_gpu_ws(l, MOK_WS_TILE_PRE);
+  p.red_pre = (int32_t *)mok_gpu_ws(l, MOK_WS_RED_PRE);
+  p.red_order = (int32_t *)mok_gpu_ws(l, MOK_WS_RED_ORDER);
+  p.counters = (uint32_t *)mok_gpu_ws(l, MOK_WS_COUNTERS);
   p.n_counters = mok_fc_count(R, E, l->d.max_tokens);
-  p.layout_scratch = ws + lay->ws[MOK_WS_LAYOUT];
+  p.layout_scratch = mok_gpu_ws(l, MOK_WS_LAYOUT);
   return p;
 }
 
@@ -94,7 +93,6 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
-  char *ws = l->gpu->ws;
   mokResult_t r = mok_fwd_gather_launch(&p, stream);
   if (r != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
@@ -104,7 +102,7 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   gu.b = a->w.wg;             /* [E, I, H] */
   gu.b2 = a->w.wu;            /* [E, I, H] */
   gu.offsets = p.offsets;     /* [E + 1] */
-  gu.c = ws + lay->ws[MOK_WS_A]; /* [R, I] */
+  gu.c = mok_gpu_ws(l, MOK_WS_A); /* [R, I] */
   gu.row_scale = p.row_w;     /* [R] */
   gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL; /* [R, I] */
   gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
@@ -124,12 +122,11 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
     sgu.b = a->w.wsg;         /* [Is, H] */
     sgu.b2 = a->w.wsu;        /* [Is, H] */
     sgu.offsets = p.shared_offsets;
-    sgu.c = ws + lay->ws[MOK_WS_AS]; /* [T, Is] */
+    sgu.c = mok_gpu_ws(l, MOK_WS_AS); /* [T, Is] */
     sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL; /* [T, Is] */
     sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
-    if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "shared gate/up", stream)) !=
-      MOK_SUCCESS)
-    return r;
+    if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "shared gate/up", stream)) != MOK_SUCCESS)
+      return r;
 
     mok_grouped_gemm_params_t sdn = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_KMAJOR, 1, T, H, Is);
     sdn.a = sgu.c;            /* [T, Is] */
