@@ -16,13 +16,6 @@ static inline int mok_mul_ok(size_t a, size_t b, size_t *out) {
   return 1;
 }
 
-static inline int mok_add_ok(size_t a, size_t b, size_t *out) {
-  size_t r;
-  if (__builtin_add_overflow(a, b, &r)) return 0;
-  *out = r;
-  return 1;
-}
-
 /* n elements of elem_bytes each, n an int64 count (negative counts do not fit). */
 static inline int mok_bytes_ok(int64_t n, size_t elem_bytes, size_t *out) {
   return n >= 0 && (uint64_t)n <= SIZE_MAX && mok_mul_ok((size_t)n, elem_bytes, out);
