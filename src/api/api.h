@@ -34,7 +34,20 @@ struct mok_comm {
   void *devcomm; /* NCCL device communicator: exists only where symmetric memory works */
   uint64_t magic;  /* MOK_COMM_MAGIC while the communicator lives */
   int live_layers; /* layers created on it and not destroyed (__atomic builtins) */
+  struct mok_vgroup *vgroup; /* virtual ranks sharing one GPU (mok_comm_create_virtual), or NULL */
+  int vwindows;              /* windows this rank has taken from its group so far */
 };
+
+/* Virtual ranks: W communicators on one GPU whose "peers" are buffers on the same device, so that
+ * expert parallelism runs through the same kernels and peer-pointer transport without a second GPU
+ * (tests and benchmarks; src/api/internal.h). A window is collective: the n-th window any rank of
+ * the group asks for allocates the n-th buffer of every rank at once (zeroed), so ranks driven from
+ * one thread never wait for each other; each rank takes its own, and the last rank to give its
+ * buffer back frees all W. */
+mokResult_t mok_vgroup_window(mok_comm_t comm, size_t bytes, void *peer[], void **local,
+                              int *index);
+void mok_vgroup_window_release(mok_comm_t comm, int index);
+void mok_vgroup_leave(mok_comm_t comm); /* mok_comm_destroy of a virtual rank */
 
 struct mok_layer {
   mok_comm_t comm;

@@ -154,6 +154,7 @@ mokResult_t mok_comm_destroy(mok_comm_t comm) {
                     live, live == 1 ? "" : "s", live == 1 ? "is" : "are",
                     live == 1 ? "it" : "them");
   *(volatile uint64_t *)&comm->magic = 0; /* volatile: not dropped as dead before free() */
+  mok_vgroup_leave(comm);
 #ifdef MOK_WITH_NCCL
   if (comm->devcomm) mok_nccl_devcomm_destroy(comm->nccl, comm->devcomm);
   if (comm->owns_nccl) r = mok_nccl_comm_destroy(comm->nccl);

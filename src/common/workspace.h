@@ -74,8 +74,12 @@ typedef enum {
   MOK_WS_ERR_CAPACITY = 3, /* value routed rows, capacity limit rows */
   MOK_WS_ERR_CONTEXT = 4,  /* backward: the context's header differs in field `value`
                               (mok_ws_ctx_field_t); token = the header's num_tokens */
-  MOK_WS_ERR_TIMEOUT = 5   /* fused forward: a task waited past the timeout on counter `slot`
+  MOK_WS_ERR_TIMEOUT = 5,  /* fused forward: a task waited past the timeout on counter `slot`
                               (MOK_FC_*), which had reached `value` of `limit`; token = the task */
+  MOK_WS_ERR_PEER_ROUTING = 6, /* expert parallelism: rank `value`'s routing was invalid (that
+                                  rank reports which slot), so no rank computed this call */
+  MOK_WS_ERR_PEER_CAPACITY = 7 /* expert parallelism: rank `value` would receive `slot` routed
+                                  rows, its capacity is `limit`, so no rank computed this call */
 } mok_ws_err_kind_t;
 
 /* Which field of the context header told a backward that its context does not match. */

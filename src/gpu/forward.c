@@ -146,6 +146,11 @@ mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
   int prev;
   mokResult_t r = mok_gpu_begin_call(l, "mok_forward", stream, &prev);
   if (r != MOK_SUCCESS) return r;
+  if (l->comm->nranks > 1) {
+    r = mok_gpu_forward_ep(l, a, y, (char *)ctx, stream);
+    cudaSetDevice(prev);
+    return r;
+  }
   const mok_fwd_local_params_t p = gpu_local_params(l, a, y, (char *)ctx);
   r = mok_fwd_layout_launch(&p, stream);
   if (r != MOK_SUCCESS) r = mok_gpu_launcher_failed(l, r);

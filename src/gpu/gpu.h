@@ -12,6 +12,7 @@
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/comm/comm.h"
 #include "cuda/gemm/gemm.h"
 
 /* A GPU layer's state (mok_layer.gpu). */
@@ -21,7 +22,12 @@ struct mok_gpu_layer {
   void *last_stream; /* the stream of the last forward or backward, which mok_layer_check
                         synchronizes with */
   int ran;           /* a forward or backward was enqueued since the layer was created */
+  mok_transport_t tp; /* W > 1: the transport (window, cross-rank layout, dispatch, combine) */
 };
+
+/* W > 1: the forward of an expert-parallel layer (src/gpu/forward_ep.c), after begin_call. */
+mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void *y, char *ctx,
+                               void *stream);
 
 /* MOK_ERROR_CUDA for a failed CUDA call, recorded on the layer (a non-sticky error is cleared so
  * that later calls start clean). */

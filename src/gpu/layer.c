@@ -1,9 +1,11 @@
 /*
- * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h), its sizes, the
- * start of every call on it, and the asynchronous errors its kernels report through the
- * workspace's error word (mok_layer_check). W = 1 BF16 layers run on the GPU; other GPU layers
- * (W > 1, fp8) allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their calls.
+ * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h, and with W > 1 its
+ * transport), its sizes, the start of every call on it, and the asynchronous errors its kernels
+ * report through the workspace's error word and the transport's (mok_layer_check). BF16 layers
+ * run on the GPU (W > 1: the forward; the backward reports MOK_ERROR_NOT_IMPLEMENTED); fp8 layers
+ * allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their calls.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,9 +18,7 @@
 
 #ifdef MOK_WITH_CUDA
 
-static int gpu_runs(mok_layer_t l) {
-  return l->comm->nranks == 1 && l->d.precision == MOK_PRECISION_BF16;
-}
+static int gpu_runs(mok_layer_t l) { return l->d.precision == MOK_PRECISION_BF16; }
 
 mokResult_t mok_gpu_cuda_fail(mok_layer_t l, const char *call, cudaError_t e) {
   cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
@@ -73,6 +73,24 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
              (e = cudaDeviceSynchronize()) != cudaSuccess) {
     res = mok_gpu_cuda_fail(NULL, "mok_layer_create: clearing the workspace", e);
   }
+  if (res == MOK_SUCCESS && l->comm->nranks > 1) {
+    /* Collective: every rank creates its layers in the same order (the window is). Rows of an
+     * expert unpadded (tile_m 1): the grouped GEMMs take the segments as they are. */
+    mok_transport_desc_t td;
+    memset(&td, 0, sizeof(td));
+    td.max_tokens = l->d.max_tokens;
+    td.hidden = l->d.hidden;
+    td.num_experts = l->d.num_experts;
+    td.top_k = l->d.top_k;
+    td.tile_m = 1;
+    td.num_sms = l->d.comm_sms;
+    td.timeout_s = l->tuning.timeout_s;
+    res = mok_transport_create(&g->tp, l->comm, &td);
+    /* Every kernel of the forward loaded now: a first launch that loads it may wait for the
+     * kernels running, which wait for the other ranks' calls. */
+    if (res == MOK_SUCCESS && (mok_ep_preload() != MOK_SUCCESS || mok_gg_preload() != MOK_SUCCESS))
+      res = mok_fail(NULL, MOK_ERROR_CUDA, "mok_layer_create: loading the kernels failed");
+  }
   cudaSetDevice(prev);
   if (res != MOK_SUCCESS) mok_gpu_layer_destroy(l);
   return res;
@@ -80,6 +98,7 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
 
 void mok_gpu_layer_destroy(mok_layer_t l) {
   if (!l || !l->gpu) return;
+  if (l->gpu->tp) mok_transport_destroy(l->gpu->tp);
   if (l->gpu->ws) {
     int prev;
     if (mok_gpu_enter(l, &prev) == MOK_SUCCESS) {
@@ -105,10 +124,10 @@ size_t mok_gpu_context_bytes(mok_layer_t l) {
 /* ---- the start of a call ---------------------------------------------------------------------- */
 
 static mokResult_t gpu_check_supported(mok_layer_t l, const char *fn) {
-  if (l->comm->nranks != 1)
+  if (l->comm->nranks != 1 && strcmp(fn, "mok_forward") != 0)
     return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "%s on GPU %d with W = %d ranks: expert parallelism is not implemented on "
-                    "the GPU yet (W = 1 is)",
+                    "%s on GPU %d with W = %d ranks: the expert-parallel backward is not "
+                    "implemented on the GPU yet (its forward is; W = 1 has both)",
                     fn, l->comm->device, l->comm->nranks);
   if (l->d.precision != MOK_PRECISION_BF16)
     return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
@@ -151,6 +170,13 @@ mokResult_t mok_gpu_check(mok_layer_t l) {
   if (res != MOK_SUCCESS) return res;
   mok_ws_error_t e;
   void *word = l->gpu->ws + l->gpu->lay.ws[MOK_WS_ERROR];
+  if (l->gpu->tp && (res = mok_transport_check(l->gpu->tp)) != MOK_SUCCESS) {
+    /* This rank's own failure (a wait that timed out, its bad routing; the message names the
+     * rank): the layer's word may only repeat it. */
+    cudaMemset(word, 0, sizeof(e));
+    res = mok_gpu_launcher_failed(l, res);
+    goto done;
+  }
   MOK_GPU_CUDA_GOTO(l, cudaStreamSynchronize((cudaStream_t)l->gpu->last_stream), res, done);
   MOK_GPU_CUDA_GOTO(l, cudaMemcpy(&e, word, sizeof(e), cudaMemcpyDeviceToHost), res, done);
   {
@@ -202,6 +228,17 @@ mokResult_t mok_gpu_check(mok_layer_t l) {
                    : e.value == MOK_WS_CTX_ROUTING ? "other topk_idx"
                                                    : "other context mode",
                    (long long)e.token);
+  else if (e.kind == MOK_WS_ERR_PEER_ROUTING)
+    res = mok_fail(l, MOK_ERROR_INVALID_ROUTING,
+                   "rank %d of %d: rank %lld's routing was invalid (that rank's mok_layer_check "
+                   "names the slot); no rank computed that forward, and y was left unchanged",
+                   l->comm->rank, l->comm->nranks, (long long)e.value);
+  else if (e.kind == MOK_WS_ERR_PEER_CAPACITY)
+    res = mok_fail(l, MOK_ERROR_CAPACITY_OVERFLOW,
+                   "rank %d of %d: rank %lld would receive %lld routed rows, its capacity is %lld "
+                   "(capacity_factor %g); no rank computed that forward, and y was left unchanged",
+                   l->comm->rank, l->comm->nranks, (long long)e.value, (long long)e.slot,
+                   (long long)e.limit, l->d.capacity_factor);
   else if (e.kind == MOK_WS_ERR_TIMEOUT)
     res = mok_fail(l, MOK_ERROR_TIMEOUT,
                    "the fused forward's task %lld waited past the timeout on counter %lld (it "

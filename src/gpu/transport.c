@@ -6,7 +6,8 @@
  *
  * One transport = one symmetric window of
  *   flags [2, W] u64 | disp_ctr [W] u64 | comb_ctr [W] u64 | slots [2, W, E + W + 4] int32 |
- *   recv_x [W * T_max, H] bf16 | recv_meta [W * T_max, K + 1] int32 | comb [T_max, K, H] bf16
+ *   recv_x [W * T_max, H] bf16 | recv_meta [W * T_max, K + 1] int32 | comb [T_max, K, H] bf16 |
+ *   row_w, row_src [W * T_max * K] (layers only: each row's router weight and token source)
  * (regions 256-byte aligned), plus ordinary device memory for this rank's layout and error word.
  * A local communicator (W = 1, no NCCL) gets a plain cudaMalloc window.
  */
@@ -31,6 +32,7 @@ struct mok_transport {
   int W, rank, device, num_ctas;
   uint64_t timeout_ns;
   mok_nccl_window_t win; /* win.local is cudaMalloc'd when comm->nccl is NULL */
+  int vwindow;           /* virtual ranks: the group's window index, else -1 */
   mok_tp_window_layout_t wl;
   void *dev;             /* layout buffers and the error word, one allocation */
   mok_tp_layout_buf_t lay;
@@ -70,6 +72,8 @@ static void tp_window_layout(const mok_transport_desc_t *d, int W, mok_tp_window
   wl->recv_x = off, off = tp_align(off + (size_t)W * T * H * 2);
   wl->recv_meta = off, off = tp_align(off + (size_t)W * T * (K + 1) * 4);
   wl->comb = off, off = tp_align(off + T * K * H * 2);
+  wl->row_w = off, off = tp_align(off + (size_t)W * T * K * 4);
+  wl->row_src = off, off = tp_align(off + (size_t)W * T * K * 4);
   wl->bytes = off;
 }
 
@@ -114,6 +118,7 @@ static mokResult_t tp_enter(const mok_transport_t t, int *prev) {
 
 static void tp_free(mok_transport_t t) {
   if (t->comm && t->comm->nccl) mok_nccl_window_destroy(t->comm->nccl, &t->win);
+  else if (t->vwindow >= 0) mok_vgroup_window_release(t->comm, t->vwindow);
   else if (t->win.local) cudaFree(t->win.local);
   if (t->dev) cudaFree(t->dev);
   free(t);
@@ -131,7 +136,7 @@ mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
   if (comm->device < 0)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "mok_transport_create: the communicator is on the CPU; the transport needs GPUs");
-  if (!comm->nccl && comm->nranks != 1)
+  if (!comm->nccl && !comm->vgroup && comm->nranks != 1)
     return mok_fail(NULL, MOK_ERROR_INTERNAL, "mok_transport_create: %d ranks without NCCL",
                     comm->nranks);
 
@@ -143,6 +148,7 @@ mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
   t->rank = comm->rank;
   t->device = comm->device;
   t->T = -1;
+  t->vwindow = -1;
   int prev = 0, sms = 0, smem_optin = 0;
   if ((res = tp_enter(t, &prev)) != MOK_SUCCESS) {
     free(t);
@@ -198,6 +204,10 @@ mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
   if (comm->nccl) {
     res = mok_nccl_window_create(comm->nccl, comm->devcomm, t->device, t->wl.bytes, &t->win);
     if (res != MOK_SUCCESS) goto fail;
+  } else if (comm->vgroup) {
+    res = mok_vgroup_window(comm, t->wl.bytes, t->win.peer, &t->win.local, &t->vwindow);
+    if (res != MOK_SUCCESS) goto fail;
+    t->win.bytes = t->wl.bytes;
   } else {
     TP_CUDA_GOTO(cudaMalloc(&t->win.local, t->wl.bytes), res, fail);
     TP_CUDA_GOTO(cudaMemset(t->win.local, 0, t->wl.bytes), res, fail);
@@ -293,6 +303,19 @@ mokResult_t mok_transport_layout(mok_transport_t t, int64_t num_tokens, const in
   t->last_stream = stream;
   cudaSetDevice(prev);
   return res;
+}
+
+mokResult_t mok_transport_params(mok_transport_t t, int phases, void *stream, mok_tp_params_t *p) {
+  mokResult_t res = tp_usable(t, "mok_transport_params");
+  if (res != MOK_SUCCESS) return res;
+  if (t->T < 0)
+    return mok_fail(NULL, MOK_ERROR_INTERNAL, "mok_transport_params: no layout yet");
+  if (phases & MOK_TP_DISPATCH) t->disp_epoch++;
+  if (phases & MOK_TP_COMBINE) t->comb_epoch++;
+  tp_params(t, p);
+  p->phases = phases;
+  t->last_stream = stream;
+  return MOK_SUCCESS;
 }
 
 static mokResult_t tp_check_rows(const mok_transport_t t, const void *ptr, const char *name) {

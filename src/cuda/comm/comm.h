@@ -152,6 +152,10 @@ typedef struct {
   size_t recv_x;    /* [W * T_max, H] bf16 received tokens */
   size_t recv_meta; /* [W * T_max, K + 1] int32 */
   size_t comb;      /* [T_max, K, H] bf16 combined rows */
+  size_t row_w;     /* [W * T_max * K] fp32 (layers) router weight of each row of this rank's
+                       experts, written by the row's home rank */
+  size_t row_src;   /* [W * T_max * K] int32 (layers) where the row's token is: its recv_x
+                       position p >= 0, or -(t + 1) for token t of this rank */
   size_t bytes;
   int64_t slot_ints; /* E + W + 4 per source: counts per expert, tokens per destination, header */
 } mok_tp_window_layout_t;
@@ -186,12 +190,42 @@ typedef struct {
   const void *x;              /* [T, H] bf16 (dispatch) */
   void *y;                    /* [T, H] bf16 (combine) */
   int phases;                 /* MOK_TP_DISPATCH | MOK_TP_COMBINE | MOK_TP_REDUCE (run) */
+  /* Expert-parallel layers (src/cuda/comm/ep.cu; NULL / 0 for the standalone transport): */
+  const float *topk_w;        /* [T, K]: dispatch also writes row_w and row_src of each row */
+  int64_t R;                  /* the layer's routed-row capacity per rank */
+  int32_t *status;            /* [1] 1: every rank's routing and row counts are valid */
+  int32_t *offsets;           /* [EL + 1] this rank's experts' rows (the local layout) */
+  int32_t *shared_offsets;    /* [2] {0, T} (or {0, 0}) for the shared expert's GEMMs */
+  void *layer_err;            /* the layer's mok_ws_error_t */
+  void *xg;                   /* [R, H] bf16 rows of this rank's experts, in layout order */
+  const void *yk;             /* [R, H] bf16 expert outputs of those rows */
+  const float *ys;            /* [T, H] fp32 shared-expert output, or NULL */
 } mok_tp_params_t;
 
 mokResult_t mok_tp_layout_launch(const mok_tp_params_t *p, void *stream);
 /* Shared memory the layout kernel needs for E experts and W ranks (its one CTA). */
 size_t mok_tp_layout_smem_bytes(int64_t num_experts, int nranks);
 mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream);
+
+/* ---- expert-parallel layers (src/cuda/comm/ep.cu): the layer's forward around the transport --- */
+
+/* The transport's params for a layer's call (src/gpu/transport.c): `phases` (MOK_TP_DISPATCH,
+ * MOK_TP_COMBINE or 0) counts the next call of those phases, as mok_transport_run does, and the
+ * stream becomes the one mok_transport_check synchronizes with. After mok_transport_layout. */
+mokResult_t mok_transport_params(mok_transport_t t, int phases, void *stream, mok_tp_params_t *p);
+/* Loads the transport's kernels (mok_tp_preload) and the layer's (mok_ep_preload) now, not at
+ * their first launch, which may wait for kernels already running (gemm.h, mok_gg_preload). */
+mokResult_t mok_tp_preload(void);
+mokResult_t mok_ep_preload(void);
+/* The layout's verdict for the layer (after the layout): status, local offsets, shared offsets,
+ * the router weight and source of this rank's own rows, errors of other ranks. */
+mokResult_t mok_ep_prep_launch(const mok_tp_params_t *p, void *stream);
+/* xg[row] = the token row of each row of this rank's experts (recv_x or x). After dispatch. */
+mokResult_t mok_ep_gather_launch(const mok_tp_params_t *p, void *stream);
+/* The expert outputs yk of the other ranks' tokens to their home ranks' comb, then the waits. */
+mokResult_t mok_ep_combine_launch(const mok_tp_params_t *p, void *stream);
+/* y[t] = bf16(ys[t] + Σ_k yk(t, k)) in slot order, yk from comb or from this rank's yk. */
+mokResult_t mok_ep_reduce_launch(const mok_tp_params_t *p, void *stream);
 
 /* Remote bytes (crossing NVLink) this rank sent in the last layout's dispatch and combine. */
 mokResult_t mok_transport_remote_bytes(mok_transport_t t, int64_t *dispatch_bytes,

@@ -237,6 +237,14 @@ extern "C" mokResult_t mok_tp_layout_launch(const mok_tp_params_t *p, void *stre
   return tp_cuda(cudaGetLastError());
 }
 
+extern "C" mokResult_t mok_tp_preload(void) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, tp_layout_kernel) != cudaSuccess ||
+      cudaFuncGetAttributes(&a, tp_run_kernel) != cudaSuccess)
+    return tp_cuda(cudaGetLastError());
+  return MOK_SUCCESS;
+}
+
 extern "C" mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream) {
   if (!p) return MOK_ERROR_NULL_POINTER;
   if (p->EL > MOK_MAX_EXPERTS || p->nranks > MOK_MAX_RANKS || p->num_ctas < 1)

@@ -126,7 +126,7 @@ __device__ __forceinline__ void tp_record_error(mok_tp_error_t *err, int code, i
 // One thread waits until *ctr >= target (acquire, system scope). On timeout it records
 // {rank, sm, counter, peer, value, target} and returns 0; it also returns 0, silently, once
 // another wait of the launch has failed.
-__device__ __noinline__ int tp_wait_geq(const uint64_t *ctr, uint64_t target,
+static __device__ __noinline__ int tp_wait_geq(const uint64_t *ctr, uint64_t target,
                                         const mok_tp_params_t &p, int counter, int peer) {
   uint64_t v = ptx_ld_acquire_sys_u64(ctr);
   if (v >= target) return 1;
@@ -225,6 +225,14 @@ __device__ __forceinline__ void tp_claims_reset_next(const mok_tp_params_t &p, i
 /* Dispatch                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
+// A layer's row `row` of rank d's experts: its router weight and its token's source (recv_x
+// position pos >= 0 on d, or -(t + 1) for d's own token t), into d's window.
+__device__ __forceinline__ void tp_put_row_map(const mok_tp_params_t &p, int d, int32_t row,
+                                               float w, int32_t src) {
+  ((float *)(p.peer[d] + p.win.row_w))[row] = w;
+  ((int32_t *)(p.peer[d] + p.win.row_src))[row] = src;
+}
+
 // Sends the tokens: token t goes, once, to every other rank d with token_pos[t, d] >= 0 (any of
 // its slots routes there): x[t] to recv_x[pos] and {t, rows of its slots on d} to recv_meta[pos]
 // in d's window. A token's own rank gets nothing: its rows stay in x, where the sum and (in the
@@ -267,10 +275,14 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
           int32_t *meta = (int32_t *)(p.peer[d] + p.win.recv_meta) + (int64_t)pd * meta_ints;
           if (lane < meta_ints)
             meta[lane] = lane == 0 ? (int32_t)t : (mrow >= 0 && mexp / p.EL == d ? mrow : -1);
+          // A layer's rows also get their router weight and where their token landed.
+          if (p.topk_w && lane >= 1 && lane <= K && mrow >= 0 && mexp / p.EL == d)
+            tp_put_row_map(p, d, mrow, p.topk_w[t * K + lane - 1], pd);
           for (int64_t j = 32 + lane; j < meta_ints; j += 32) {  // K > 31
             const int32_t row = p.lay.slot_row[t * K + j - 1];
             const int32_t e = p.topk_idx[t * K + j - 1];
             meta[j] = (row >= 0 && e / p.EL == d) ? row : -1;
+            if (p.topk_w && row >= 0 && e / p.EL == d) tp_put_row_map(p, d, row, p.topk_w[t * K + j - 1], pd);
           }
         }
       }

@@ -97,6 +97,11 @@ int mok_tile_group_m(int requested, int64_t b_bytes);
 int mok_gg_fault_take(mok_kernel_fault_t *out);
 int mok_gw_fault_take(mok_kernel_fault_t *out);
 
+/* Loads the bf16 grouped-GEMM kernels now (CUDA loads a kernel at its first launch by default,
+ * and a load may wait for kernels already running: with virtual ranks those spin on ranks whose
+ * calls come later from the same thread). */
+mokResult_t mok_gg_preload(void);
+
 /* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
  * (pointers, int32 offsets, one CTA per SM): the callers fill in their tensors. */
 static inline mok_grouped_gemm_params_t mok_gg_bf16_params(mok_gg_epilogue_t epi,

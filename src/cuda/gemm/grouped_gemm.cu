@@ -453,4 +453,22 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
 }
 
+extern "C" mokResult_t mok_gg_preload(void) {
+  cudaFuncAttributes a;
+  const cudaError_t e[] = {
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_SWIGLU, 0>),
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_BF16, 0>),
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_BF16, 1>),
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_F32, 0>),
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_F32, 1>),
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 0>),
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 1>)};
+  for (cudaError_t x : e)
+    if (x != cudaSuccess) {
+      cudaGetLastError();
+      return MOK_ERROR_CUDA;
+    }
+  return MOK_SUCCESS;
+}
+
 extern "C" int mok_gg_fault_take(mok_kernel_fault_t *out) { return ptx_fault_take(out); }

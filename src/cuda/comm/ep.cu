@@ -1,0 +1,266 @@
+/*
+ * ep.cu: the kernels of an expert-parallel layer's forward around the transport (comm.h,
+ * "expert-parallel layers"; the host side is src/gpu/forward_ep.c). On each rank, after the
+ * transport's layout (rows of each expert in (source rank, token, slot) order, unpadded):
+ *
+ *   prep      the layout's verdict: status (1 when every rank's routing and row count are
+ *             valid), the local layout (offsets of this rank's experts, the shared expert's
+ *             {0, T}), and the router weight and source of the rows of this rank's own tokens
+ *             (dispatch writes those of the other ranks' tokens into this rank's window)
+ *   (dispatch: the transport's kernel, MOK_TP_DISPATCH, with topk_w)
+ *   gather    xg[row] = recv_x[src] or x[t], in layout order: the A of the gate/up GEMM
+ *   (the grouped GEMMs of the W = 1 chain on this rank's experts: yk [rows, H]; the shared
+ *   expert on this rank's tokens: ys)
+ *   combine   yk rows of the other ranks' tokens go home into comb[t, k]; signal, wait
+ *   reduce    y[t] = bf16(ys[t] + Σ_k yk(t, k)), slot order: the W = 1 reduce's additions
+ *             (forward/rows.cuh), with each slot's row read from comb or from this rank's yk
+ *
+ * EP-invariance: an expert's rows are the rows of the W = 1 layer over the ranks' tokens
+ * concatenated in rank order, in the same order, and each GEMM output row depends only on its
+ * own A row; the reduce adds the same bf16 rows in the same order. So W ranks give bitwise the
+ * W = 1 layer's y.
+ *
+ * Invalid calls (bad routing on any rank, or more rows for some rank than its capacity) compute
+ * nothing on any rank: every rank derives the same verdict from the all-gathered layout; the
+ * failing rank reports the detail and the others name that rank (mok_ws_error_t). Every rank
+ * still signals every counter, so nobody waits for rows that never come.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda/comm/comm.h"
+#include "cuda/comm/transport.cuh"
+#include "cuda/error_word.cuh"
+#include "cuda/forward/rows.cuh"
+
+#define EP_THREADS 256
+
+// The call's verdict, the same on every rank: the layout valid and no rank above capacity.
+// *bad_rank: the first rank at fault (-1 when none), *bad_rows its rows when over capacity.
+__device__ __forceinline__ int ep_verdict(const mok_tp_params_t &p, int *bad_rank, int *bad_rows) {
+  *bad_rank = -1, *bad_rows = 0;
+  if (*p.lay.valid != 1) {
+    // The layout was invalid: the first source whose all-gathered status says so (header int 3
+    // after the E + W counts of its slot, this call's parity).
+    const int64_t S = p.win.slot_ints, B = p.E + p.nranks;
+    const int32_t *slots =
+        (const int32_t *)(p.peer[p.rank] + p.win.slots) + (p.layout_epoch & 1) * p.nranks * S;
+    for (int s = 0; s < p.nranks && *bad_rank < 0; s++)
+      if (tp_ld_peer_i32(slots + s * S + B + 3) != 1) *bad_rank = s;
+    return 0;
+  }
+  for (int r = 0; r < p.nranks; r++)
+    if (p.lay.rank_rows[r] > p.R) {
+      *bad_rank = r, *bad_rows = p.lay.rank_rows[r];
+      return 0;
+    }
+  return 1;
+}
+
+__global__ void __launch_bounds__(EP_THREADS)
+    ep_prep_kernel(const __grid_constant__ mok_tp_params_t p) {
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    int bad_rank, bad_rows;
+    s_ok = ep_verdict(p, &bad_rank, &bad_rows);
+    if (blockIdx.x == 0) {
+      mok_ws_error_t *err = (mok_ws_error_t *)p.layer_err;
+      *p.status = s_ok;
+      p.shared_offsets[0] = 0;
+      p.shared_offsets[1] = s_ok ? (int32_t)p.T : 0;
+      if (!s_ok && bad_rows > 0) {
+        if (bad_rank == p.rank)
+          mok_ws_record_error(err, MOK_ERROR_CAPACITY_OVERFLOW, MOK_WS_ERR_CAPACITY, 0, 0,
+                              bad_rows, p.R);
+        else
+          mok_ws_record_error(err, MOK_ERROR_CAPACITY_OVERFLOW, MOK_WS_ERR_PEER_CAPACITY, 0,
+                              bad_rows, bad_rank, p.R);
+      } else if (!s_ok && bad_rank != p.rank) {
+        // This rank's own bad slot is in the transport's error word (the layout recorded it).
+        mok_ws_record_error(err, MOK_ERROR_INVALID_ROUTING, MOK_WS_ERR_PEER_ROUTING, 0, 0,
+                            bad_rank, 0);
+      }
+    }
+  }
+  __syncthreads();
+  const int ok = s_ok;
+  const int64_t EL = p.EL;
+  if (blockIdx.x == 0)
+    for (int64_t e = threadIdx.x; e <= EL; e += blockDim.x)
+      p.offsets[e] = !ok ? 0
+                     : e < EL ? p.lay.expert_start[p.rank * EL + e]
+                              : p.lay.rank_rows[p.rank];
+  if (!ok) return;
+  // The rows of this rank's own tokens on this rank's experts (the others' come with dispatch).
+  const int64_t n = p.T * p.K;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int32_t row = p.lay.slot_row[i];
+    if (row >= 0 && p.topk_idx[i] / EL == p.rank)
+      tp_put_row_map(p, p.rank, row, p.topk_w[i], -(int32_t)(i / p.K) - 1);
+  }
+}
+
+// One warp per row: xg[row] = recv_x[src] (a token of another rank, landed here) or x[t].
+__global__ void __launch_bounds__(EP_THREADS)
+    ep_gather_kernel(const __grid_constant__ mok_tp_params_t p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = p.offsets[p.EL], H8 = p.H / 8;
+  const int32_t *row_src = (const int32_t *)(p.peer[p.rank] + p.win.row_src);
+  const uint4 *recv = (const uint4 *)(p.peer[p.rank] + p.win.recv_x);
+  const uint4 *x = (const uint4 *)p.x;
+  uint4 *xg = (uint4 *)p.xg;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+  for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
+       r += warps) {
+    const int32_t src = tp_ld_peer_i32(row_src + r);
+    const uint4 *from = src >= 0 ? recv + (int64_t)src * H8 : x + (int64_t)(-src - 1) * H8;
+    for (int64_t c = lane; c < H8; c += 32)
+      xg[r * H8 + c] = src >= 0 ? tp_ld_peer_v4(from + c) : tp_ld_input_v4(from + c);
+  }
+}
+
+// Sends yk of every row of the other ranks' tokens home: received token q (token t of rank s)
+// and each of its slots k on this rank's experts (row >= 0 in its meta): yk[row] -> comb[t, k] in
+// s's window. Rows of this rank's own tokens stay (the reduce reads them in yk). A warp per
+// received token, claimed from the transport's combine counter.
+__device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const int32_t *src_start) {
+  const int lane = threadIdx.x & 31;
+  const int W = p.nranks;
+  const int64_t K = p.K, H = p.H, chunks = H / 8;
+  const char *my_win = p.peer[p.rank];
+  const int32_t *meta_all = (const int32_t *)(my_win + p.win.recv_meta);
+  const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
+  const int64_t items = src_start[W] - (own1 - own0);
+  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (p.comb_epoch & 1);
+  for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
+       i = __shfl_sync(0xffffffffu, nx, 0)) {
+    nx = tp_claim(claim, lane);
+    const int64_t q = i < own0 ? i : i + (own1 - own0);
+    int s = 0;
+    while (s + 1 < W && src_start[s + 1] <= q) s++;
+    const int32_t *meta = meta_all + q * (K + 1);
+    const int32_t t = tp_ld_peer_i32(meta);
+    char *dst_tok = p.peer[s] + p.win.comb + (int64_t)t * K * H * 2;
+    for (int64_t k = 0; k < K; k++) {
+      const int32_t row = tp_ld_peer_i32(meta + 1 + k);
+      if (row < 0) continue;
+      const char *src = (const char *)p.yk + (int64_t)row * H * 2;
+      char *dst = dst_tok + k * H * 2;
+      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
+        uint4 v[TP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < TP_UNROLL; u++) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) v[u] = tp_ld_peer_v4(src + c * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < TP_UNROLL; u++) {
+          const int64_t c = c0 + u * 32 + lane;
+          if (c < chunks) tp_st_v4(dst + c * 16, v[u]);
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(TP_THREADS, 1)
+    ep_combine_kernel(const __grid_constant__ mok_tp_params_t p) {
+  __shared__ int32_t src_start[MOK_MAX_RANKS + 1];
+  tp_claims_reset_next(p, TP_CLAIM_COMBINE, p.comb_epoch);
+  if (threadIdx.x == 0) {
+    int32_t acc = 0;
+    for (int s = 0; s < p.nranks; s++) {
+      src_start[s] = acc;
+      acc += p.lay.token_count[s * p.nranks + p.rank];
+    }
+    src_start[p.nranks] = acc;
+  }
+  __syncthreads();
+  if (*p.status) ep_combine_send(p, src_start);
+  tp_cta_signal_ranks(p, p.win.comb_ctr);
+  const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.comb_ctr);
+  tp_cta_wait_ranks(ctr, p.comb_epoch, p, MOK_TP_WAIT_COMBINE);
+}
+
+// y[t] = bf16(ys[t] + yk(t, 0) + ... + yk(t, K-1)): rows.cuh's additions in slot order, each
+// slot's row from this rank's yk (expert here) or from comb (combined home). A warp per token.
+__global__ void __launch_bounds__(EP_THREADS)
+    ep_reduce_kernel(const __grid_constant__ mok_tp_params_t p) {
+  if (!*p.status) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t K = p.K, H8 = p.H / 8;
+  const uint4 *comb = (const uint4 *)(p.peer[p.rank] + p.win.comb);
+  const uint4 *yk = (const uint4 *)p.yk;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+  for (int64_t t = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < p.T;
+       t += warps) {
+    const float4 *ys_t = p.ys ? (const float4 *)(p.ys + t * p.H) : NULL;
+    uint4 *y_t = (uint4 *)p.y + t * H8;
+    for (int64_t c = lane; c < H8; c += 32) {
+      float acc[8];
+      rl_load_ys(ys_t, c, true, acc);
+      for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
+        const int32_t row = p.lay.slot_row[t * K + k];
+        if (row < 0) continue;  // empty slots are skipped, not added as zeros
+        const uint4 v = p.topk_idx[t * K + k] / p.EL == p.rank
+                            ? __ldcg(yk + (int64_t)row * H8 + c)
+                            : tp_ld_peer_v4(comb + (t * K + k) * H8 + c);
+        rl_add_bf16x8(acc, v);
+      }
+      y_t[c] = rl_pack_bf16x8(acc);
+    }
+  }
+}
+
+static mokResult_t ep_launched(void) {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
+}
+
+static int ep_blocks(int64_t work_per_block, int64_t work) {
+  int64_t b = (work + work_per_block - 1) / work_per_block;
+  return (int)(b < 1 ? 1 : b > 1024 ? 1024 : b);
+}
+
+extern "C" mokResult_t mok_ep_preload(void) {
+  cudaFuncAttributes a;
+  const cudaError_t e[] = {cudaFuncGetAttributes(&a, ep_prep_kernel),
+                           cudaFuncGetAttributes(&a, ep_gather_kernel),
+                           cudaFuncGetAttributes(&a, ep_combine_kernel),
+                           cudaFuncGetAttributes(&a, ep_reduce_kernel)};
+  for (cudaError_t x : e)
+    if (x != cudaSuccess) {
+      cudaGetLastError();
+      return MOK_ERROR_CUDA;
+    }
+  return mok_tp_preload();
+}
+
+extern "C" mokResult_t mok_ep_prep_launch(const mok_tp_params_t *p, void *stream) {
+  if (!p || !p->status || !p->offsets || !p->shared_offsets || !p->layer_err ||
+      (p->T > 0 && (!p->topk_w || !p->topk_idx)))
+    return MOK_ERROR_NULL_POINTER;
+  ep_prep_kernel<<<ep_blocks(EP_THREADS, p->T * p->K), EP_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return ep_launched();
+}
+
+extern "C" mokResult_t mok_ep_gather_launch(const mok_tp_params_t *p, void *stream) {
+  if (!p || !p->offsets || !p->xg || (p->T > 0 && !p->x)) return MOK_ERROR_NULL_POINTER;
+  ep_gather_kernel<<<ep_blocks(EP_THREADS / 32, p->R), EP_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return ep_launched();
+}
+
+extern "C" mokResult_t mok_ep_combine_launch(const mok_tp_params_t *p, void *stream) {
+  if (!p || !p->status || !p->yk) return MOK_ERROR_NULL_POINTER;
+  if (p->num_ctas < 1 || p->nranks > MOK_MAX_RANKS) return MOK_ERROR_INVALID_VALUE;
+  ep_combine_kernel<<<p->num_ctas, TP_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return ep_launched();
+}
+
+extern "C" mokResult_t mok_ep_reduce_launch(const mok_tp_params_t *p, void *stream) {
+  if (!p || !p->status || !p->yk || (p->T > 0 && !p->y)) return MOK_ERROR_NULL_POINTER;
+  if (p->T == 0) return MOK_SUCCESS;
+  ep_reduce_kernel<<<ep_blocks(EP_THREADS / 32, p->T), EP_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return ep_launched();
+}

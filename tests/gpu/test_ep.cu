@@ -1,0 +1,365 @@
+/*
+ * test_ep.cu: expert parallelism inside the layer, on ONE GPU: W = 2 and W = 4 virtual ranks
+ * (mok_comm_create_virtual, src/api/internal.h) whose peers are buffers on the same device, each
+ * rank's calls on its own stream, all enqueued from this thread. The kernels, the counters and
+ * the transport are those of W GPUs.
+ *
+ * EP-invariance: W ranks holding T_0, ..., T_{W-1} tokens give bitwise the y of one W = 1 layer
+ * (the fused forward) holding the tokens concatenated in rank order. Cases: uneven T, T = 0 on a
+ * rank, empty slots, experts nobody uses, every token on one rank's experts, many calls in a row
+ * with new routing; bad routing and capacity overflow on one rank reported there, the other
+ * ranks naming it, nothing computed, and the next good call right; a rank that never calls
+ * gives MOK_ERROR_TIMEOUT on the others within the bound. Every test skips without a GPU.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <vector>
+
+#include "../support/timer.h"
+#include "api/internal.h"
+#include "forward_test_util.cuh"
+
+#define NEED_GPU() \
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device")
+
+enum { EP_MAX_W = 8 };
+
+// W virtual ranks on GPU 0; rank r holds experts [r EL, (r + 1) EL) of p's weights and its own
+// x, idx, tw, y, context.
+typedef struct {
+  int W;
+  int64_t EL, T_max, H, I, K;
+  mok_comm_t comm[EP_MAX_W];
+  mok_layer_t l[EP_MAX_W];
+  cudaStream_t s[EP_MAX_W];
+  uint16_t *wg, *wu, *wd, *wsg, *wsu, *wsd; // all E experts; rank r points into its slice
+  uint16_t *x[EP_MAX_W], *y[EP_MAX_W];
+  int32_t *idx[EP_MAX_W];
+  float *tw[EP_MAX_W];
+  uint8_t *ctx[EP_MAX_W];
+  size_t ctx_bytes;
+} ep_team_t;
+
+static void ep_close(ep_team_t *t) {
+  cudaDeviceSynchronize();
+  for (int r = 0; r < t->W; r++) {
+    if (t->l[r]) mok_layer_destroy(t->l[r]);
+    void *b[] = {t->x[r], t->y[r], t->idx[r], t->tw[r], t->ctx[r]};
+    for (void *q : b)
+      if (q) cudaFree(q);
+    if (t->s[r]) cudaStreamDestroy(t->s[r]);
+  }
+  for (int r = 0; r < t->W; r++)
+    if (t->comm[r]) mok_comm_destroy(t->comm[r]);
+  void *w[] = {t->wg, t->wu, t->wd, t->wsg, t->wsu, t->wsd};
+  for (void *q : w)
+    if (q) cudaFree(q);
+  memset(t, 0, sizeof(*t));
+}
+
+// A team of W ranks for p's shape (T_max per rank), with tuning timeout `timeout_s` (0: default).
+static int ep_open(ep_team_t *t, const fwd_problem_t *p, int W, int64_t T_max, double timeout_s) {
+  memset(t, 0, sizeof(*t));
+  t->W = W, t->EL = p->E / W, t->T_max = T_max, t->H = p->H, t->I = p->I, t->K = p->K;
+  if (mok_comm_create_virtual(t->comm, W, 0) != MOK_SUCCESS) {
+    printf("    virtual ranks: %s\n", mok_last_error());
+    return 0;
+  }
+  mok_layer_desc_t d = fwd_desc(p, p->Is, T_max);
+  for (int r = 0; r < W; r++) {
+    if (mok_layer_create(&t->l[r], t->comm[r], &d) != MOK_SUCCESS) {
+      printf("    rank %d layer: %s\n", r, mok_last_error());
+      ep_close(t);
+      return 0;
+    }
+    if (timeout_s > 0) {
+      mok_tuning_t tu;
+      mok_layer_tuning(t->l[r], &tu);
+      tu.timeout_s = timeout_s;
+      mok_layer_set_tuning(t->l[r], &tu);
+    }
+    mok_context_size(t->l[r], &t->ctx_bytes);
+    cudaStreamCreateWithFlags(&t->s[r], cudaStreamNonBlocking);
+    const int64_t H = p->H, K = p->K;
+    cudaMalloc((void **)&t->x[r], (size_t)(T_max * H) * 2 + 16);
+    cudaMalloc((void **)&t->y[r], (size_t)(T_max * H) * 2 + 16);
+    cudaMalloc((void **)&t->idx[r], (size_t)(T_max * K) * 4 + 16);
+    cudaMalloc((void **)&t->tw[r], (size_t)(T_max * K) * 4 + 16);
+    cudaMalloc((void **)&t->ctx[r], t->ctx_bytes);
+  }
+  t->wg = to_dev(p->wg), t->wu = to_dev(p->wu), t->wd = to_dev(p->wd);
+  if (p->Is > 0) t->wsg = to_dev(p->wsg), t->wsu = to_dev(p->wsu), t->wsd = to_dev(p->wsd);
+  return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+// Rank r's tokens are tokens [start_r, start_r + T_r) of p (rank order), poisoned y.
+static void ep_inputs(ep_team_t *t, const fwd_problem_t *p, const int64_t *T) {
+  int64_t start = 0;
+  for (int r = 0; r < t->W; r++) {
+    const int64_t H = p->H, K = p->K;
+    if (T[r] > 0) {
+      cudaMemcpy(t->x[r], p->x.data() + start * H, (size_t)(T[r] * H) * 2, cudaMemcpyHostToDevice);
+      cudaMemcpy(t->idx[r], p->idx.data() + start * K, (size_t)(T[r] * K) * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(t->tw[r], p->tw.data() + start * K, (size_t)(T[r] * K) * 4, cudaMemcpyHostToDevice);
+    }
+    cudaMemset(t->y[r], 0xFF, (size_t)(t->T_max * H) * 2);
+    start += T[r];
+  }
+  cudaDeviceSynchronize();
+}
+
+// One forward on every rank (rank order, each on its stream); res[r] the call's result.
+static void ep_forward(ep_team_t *t, const int64_t *T, mokResult_t *res, int skip_rank) {
+  for (int r = 0; r < t->W; r++) {
+    if (r == skip_rank) {
+      res[r] = MOK_SUCCESS;
+      continue;
+    }
+    mok_weights_t w;
+    memset(&w, 0, sizeof(w));
+    const size_t ew = (size_t)(t->EL * t->H * t->I);
+    w.wg = t->wg + r * ew, w.wu = t->wu + r * ew, w.wd = t->wd + r * ew;
+    w.wsg = t->wsg, w.wsu = t->wsu, w.wsd = t->wsd;
+    const mok_forward_args_t a = test_forward_args(T[r], t->x[r], t->idx[r], t->tw[r], w);
+    res[r] = mok_forward(t->l[r], &a, T[r] ? t->y[r] : NULL, t->ctx[r], t->ctx_bytes,
+                         (mok_stream_t)t->s[r]);
+  }
+}
+
+// Waits for every rank, then mok_layer_check on each: res[r].
+static void ep_check(ep_team_t *t, mokResult_t *res, char (*msg)[MOK_ERR_LEN]) {
+  for (int r = 0; r < t->W; r++) cudaStreamSynchronize(t->s[r]);
+  for (int r = 0; r < t->W; r++) {
+    res[r] = mok_layer_check(t->l[r]);
+    if (msg) snprintf(msg[r], MOK_ERR_LEN, "%s", res[r] == MOK_SUCCESS ? "" : mok_last_error());
+  }
+}
+
+// y of one W = 1 layer (the fused forward) on p's first T tokens.
+static std::vector<uint16_t> ep_reference_y(const fwd_problem_t *p, int64_t T) {
+  test_gpu_layer_t g;
+  std::vector<uint16_t> y;
+  mok_layer_desc_t d = fwd_desc(p, p->Is, T > 0 ? T : 1);
+  d.capacity_factor = 0; // the reference never overflows
+  if (!fwd_gpu_open_desc(&g, p, &d)) return y;
+  fwd_gpu_inputs(&g, p);
+  if (test_gpu_layer_forward(&g, T, NULL) == MOK_SUCCESS && mok_layer_check(g.l) == MOK_SUCCESS)
+    y = fwd_gpu_y(&g, T, p->H);
+  test_gpu_layer_close(&g);
+  return y;
+}
+
+// Every rank's y against the W = 1 layer's rows of its tokens, bit for bit; 1 when all equal.
+static int ep_same_as_w1(ep_team_t *t, const std::vector<uint16_t> &ref, const int64_t *T,
+                         const char *what) {
+  int64_t start = 0, total = 0;
+  for (int r = 0; r < t->W; r++) total += T[r];
+  if (ref.size() != (size_t)(total * t->H)) {
+    printf("    %s: the W = 1 layer failed\n", what);
+    return 0;
+  }
+  int ok = 1;
+  for (int r = 0; r < t->W; r++) {
+    std::vector<uint16_t> y((size_t)(T[r] * t->H));
+    if (T[r] > 0) cudaMemcpy(y.data(), t->y[r], y.size() * 2, cudaMemcpyDeviceToHost);
+    int64_t diff = 0, first = -1;
+    for (size_t i = 0; i < y.size(); i++)
+      if (y[i] != ref[(size_t)(start * t->H) + i] && diff++ == 0) first = (int64_t)i;
+    if (diff) {
+      printf("    %s: rank %d: %lld of %lld elements differ from W = 1, first [%lld][%lld]: "
+             "0x%04x vs 0x%04x\n",
+             what, r, (long long)diff, (long long)y.size(), (long long)(first / t->H),
+             (long long)(first % t->H), y[(size_t)first], ref[(size_t)(start * t->H + first)]);
+      ok = 0;
+    }
+    start += T[r];
+  }
+  return ok;
+}
+
+// One EP-invariance case: W ranks with tokens T[0..W-1] (rank order) of p.
+static int ep_case(const fwd_problem_t *p, int W, const int64_t *T, const char *what) {
+  int64_t total = 0, T_max = 1;
+  for (int r = 0; r < W; r++) total += T[r], T_max = T[r] > T_max ? T[r] : T_max;
+  const std::vector<uint16_t> ref = ep_reference_y(p, total);
+  if (ref.size() != (size_t)(total * p->H)) {
+    printf("    %s: the W = 1 layer failed\n", what);
+    return 0;
+  }
+  ep_team_t t;
+  if (!ep_open(&t, p, W, T_max, 0)) return 0;
+  ep_inputs(&t, p, T);
+  mokResult_t res[EP_MAX_W], chk[EP_MAX_W];
+  char msg[EP_MAX_W][MOK_ERR_LEN];
+  ep_forward(&t, T, res, -1);
+  ep_check(&t, chk, msg);
+  int ok = 1;
+  for (int r = 0; r < W; r++)
+    if (res[r] != MOK_SUCCESS || chk[r] != MOK_SUCCESS) {
+      printf("    %s: rank %d: forward %s, check %s: %s\n", what, r, mok_error_string(res[r]),
+             mok_error_string(chk[r]), msg[r]);
+      ok = 0;
+    }
+  if (ok) ok = ep_same_as_w1(&t, ref, T, what);
+  ep_close(&t);
+  MOK_EXPECT_MSG(ok, "%s: the expert-parallel y is not the W = 1 layer's", what);
+  return ok;
+}
+
+static void ep_problem(fwd_problem_t *p, int64_t Is, int64_t T, test_route_t route) {
+  fwd_problem_init(p, 256, 256, 16, 4, Is, T, T);
+  fwd_route(p, route);
+}
+
+MOK_TEST(ep_forward_two_ranks_equal_one) {
+  NEED_GPU();
+  fwd_problem_t p;
+  ep_problem(&p, 128, 300, test_route_uniform(0.1));
+  const int64_t even[2] = {150, 150}, uneven[2] = {211, 89}, zero[2] = {0, 300};
+  ep_case(&p, 2, even, "W = 2, 150 + 150 tokens");
+  ep_case(&p, 2, uneven, "W = 2, 211 + 89 tokens");
+  ep_case(&p, 2, zero, "W = 2, rank 0 without tokens");
+  ep_problem(&p, 0, 300, test_route_uniform(0.3));
+  ep_case(&p, 2, uneven, "W = 2, no shared expert, 30% empty slots");
+}
+
+MOK_TEST(ep_forward_four_ranks_equal_one) {
+  NEED_GPU();
+  fwd_problem_t p;
+  ep_problem(&p, 128, 400, test_route_uniform(0.1));
+  const int64_t T[4] = {130, 0, 211, 59};
+  ep_case(&p, 4, T, "W = 4, 130 + 0 + 211 + 59 tokens");
+  const test_route_t hot = {0.0, 0, 13}; // slot 0 of every token on rank 3's expert 13
+  ep_problem(&p, 0, 400, hot);
+  ep_case(&p, 4, T, "W = 4, a hot expert");
+  const test_route_t unused = {0.0, 0x0F0Full, -1}; // experts 0-3 and 8-11: ranks 0, 2 get none
+  ep_problem(&p, 128, 400, unused);
+  ep_case(&p, 4, T, "W = 4, ranks 0 and 2 hold no used expert");
+  const test_route_t one_rank = {0.0, 0x00FFull, -1}; // W = 2: every row on rank 1's experts
+  ep_problem(&p, 128, 400, one_rank);
+  const int64_t T2[2] = {250, 150};
+  ep_case(&p, 2, T2, "W = 2, every token on rank 1's experts");
+  ep_problem(&p, 128, 400, test_route_uniform(1.0));
+  ep_case(&p, 4, T, "W = 4, every slot empty (y = the shared expert)");
+}
+
+// Many calls on the same team with new routing and token counts each time: every call equals W = 1.
+MOK_TEST(ep_forward_many_calls) {
+  NEED_GPU();
+  fwd_problem_t p;
+  ep_problem(&p, 128, 512, test_route_uniform(0.1));
+  ep_team_t t;
+  MOK_REQUIRE(ep_open(&t, &p, 2, 256, 0));
+  test_rng_t rng = test_rng(0x5eed0e9ull);
+  int good = 0;
+  const int calls = 12;
+  for (int n = 0; n < calls; n++) {
+    test_route_t rt = test_route_uniform(n % 3 == 0 ? 0.4 : 0.05);
+    if (n % 4 == 1) rt.hot = (int)test_rng_below(&rng, 16);
+    fwd_route(&p, rt);
+    const int64_t T[2] = {(int64_t)test_rng_below(&rng, 257), (int64_t)test_rng_below(&rng, 257)};
+    const std::vector<uint16_t> ref = ep_reference_y(&p, T[0] + T[1]);
+    ep_inputs(&t, &p, T);
+    mokResult_t res[2], chk[2];
+    ep_forward(&t, T, res, -1);
+    ep_check(&t, chk, NULL);
+    char what[64];
+    snprintf(what, sizeof(what), "call %d (%lld + %lld tokens)", n, (long long)T[0], (long long)T[1]);
+    good += res[0] == MOK_SUCCESS && res[1] == MOK_SUCCESS && chk[0] == MOK_SUCCESS &&
+            chk[1] == MOK_SUCCESS && ep_same_as_w1(&t, ref, T, what);
+  }
+  ep_close(&t);
+  MOK_EXPECT_MSG(good == calls, "%d of %d calls equal to W = 1", good, calls);
+}
+
+// Bad routing on rank 0: rank 0 names the slot, rank 1 names rank 0, no y is written, and the
+// next good call on the same layers is right.
+MOK_TEST(ep_bad_routing_on_one_rank) {
+  NEED_GPU();
+  fwd_problem_t p;
+  ep_problem(&p, 128, 200, test_route_uniform(0.1));
+  const int64_t T[2] = {120, 80};
+  ep_team_t t;
+  MOK_REQUIRE(ep_open(&t, &p, 2, 128, 0));
+  const int32_t good_id = p.idx[5 * 4 + 2];
+  p.idx[5 * 4 + 2] = 99; // rank 0, token 5, slot 2: outside [-1, 16)
+  ep_inputs(&t, &p, T);
+  mokResult_t res[2], chk[2];
+  char msg[2][MOK_ERR_LEN];
+  ep_forward(&t, T, res, -1);
+  ep_check(&t, chk, msg);
+  MOK_EXPECT(res[0] == MOK_SUCCESS && res[1] == MOK_SUCCESS);
+  MOK_EXPECT_MSG(chk[0] == MOK_ERROR_INVALID_ROUTING && strstr(msg[0], "token 5 slot 2"),
+                 "rank 0: %s", msg[0]);
+  MOK_EXPECT_MSG(chk[1] == MOK_ERROR_INVALID_ROUTING && strstr(msg[1], "rank 0's routing"),
+                 "rank 1: %s", msg[1]);
+  std::vector<uint16_t> y((size_t)(T[1] * p.H));
+  cudaMemcpy(y.data(), t.y[1], y.size() * 2, cudaMemcpyDeviceToHost);
+  size_t touched = 0;
+  for (uint16_t v : y) touched += v != 0xFFFF;
+  MOK_EXPECT_MSG(touched == 0, "rank 1 wrote %zu elements of y in a failed call", touched);
+  p.idx[5 * 4 + 2] = good_id;
+  const std::vector<uint16_t> ref = ep_reference_y(&p, T[0] + T[1]);
+  ep_inputs(&t, &p, T);
+  ep_forward(&t, T, res, -1);
+  ep_check(&t, chk, msg);
+  MOK_EXPECT_MSG(chk[0] == MOK_SUCCESS && chk[1] == MOK_SUCCESS, "after: %s / %s", msg[0], msg[1]);
+  MOK_EXPECT(ep_same_as_w1(&t, ref, T, "the good call after bad routing"));
+  ep_close(&t);
+}
+
+// Capacity overflow on the rank that holds every used expert: reported there, named on the
+// other rank, nothing computed, nobody hangs, and a call within capacity afterwards is right.
+MOK_TEST(ep_capacity_overflow_on_one_rank) {
+  NEED_GPU();
+  fwd_problem_t p;
+  const test_route_t one_rank = {0.0, 0x00FFull, -1}; // every row on rank 1's experts
+  ep_problem(&p, 0, 256, one_rank);
+  p.capacity_factor = 0.5; // rows per rank: 0.5 x T_max x K = 256 of the 512 routed here
+  const int64_t T[2] = {128, 128};
+  ep_team_t t;
+  MOK_REQUIRE(ep_open(&t, &p, 2, 128, 0));
+  ep_inputs(&t, &p, T);
+  mokResult_t res[2], chk[2];
+  char msg[2][MOK_ERR_LEN];
+  ep_forward(&t, T, res, -1);
+  ep_check(&t, chk, msg);
+  MOK_EXPECT_MSG(chk[1] == MOK_ERROR_CAPACITY_OVERFLOW, "rank 1: %s", msg[1]);
+  MOK_EXPECT_MSG(chk[0] == MOK_ERROR_CAPACITY_OVERFLOW && strstr(msg[0], "rank 1 would receive"),
+                 "rank 0: %s", msg[0]);
+  const int64_t small[2] = {32, 32}; // 256 rows: exactly the capacity
+  const std::vector<uint16_t> ref = ep_reference_y(&p, 64);
+  ep_inputs(&t, &p, small);
+  ep_forward(&t, small, res, -1);
+  ep_check(&t, chk, msg);
+  MOK_EXPECT_MSG(chk[0] == MOK_SUCCESS && chk[1] == MOK_SUCCESS, "after: %s / %s", msg[0], msg[1]);
+  MOK_EXPECT(ep_same_as_w1(&t, ref, small, "rows = capacity after an overflow"));
+  ep_close(&t);
+}
+
+// A rank that never calls: the other gets MOK_ERROR_TIMEOUT within the bound, naming the rank
+// and the counter, and its call returns (no hang).
+MOK_TEST(ep_rank_that_never_arrives_times_out) {
+  NEED_GPU();
+  fwd_problem_t p;
+  ep_problem(&p, 0, 128, test_route_uniform(0.1));
+  const int64_t T[2] = {64, 64};
+  ep_team_t t;
+  MOK_REQUIRE(ep_open(&t, &p, 2, 64, 0.5));
+  ep_inputs(&t, &p, T);
+  mokResult_t res[2];
+  const double t0 = test_now_s();
+  ep_forward(&t, T, res, 1); // rank 1 stays away
+  cudaStreamSynchronize(t.s[0]);
+  const double s = test_now_s() - t0;
+  const mokResult_t chk = mok_layer_check(t.l[0]);
+  char msg[MOK_ERR_LEN];
+  snprintf(msg, sizeof(msg), "%s", mok_last_error());
+  MOK_EXPECT_MSG(chk == MOK_ERROR_TIMEOUT && strstr(msg, "rank 1"), "rank 0: %s", msg);
+  MOK_EXPECT_MSG(s < 5.0, "rank 0's forward took %.1f s with a 0.5 s bound", s);
+  printf("    rank 0 gave up after %.2f s: %s\n", s, msg);
+  ep_close(&t);
+}
