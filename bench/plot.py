@@ -81,7 +81,8 @@ def finish(fig, title, base_label, path):
 def plot_forward(plt, rows, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     used = []
-    for ax, suffix, title in ((axes[0], "", "forward"), (axes[1], "/fwd+bwd", "forward + backward")):
+    for ax, suffix, title in ((axes[0], "", "forward"),
+                              (axes[1], "/fwd+bwd", "forward + backward")):
         picked = [rows.get(f"{m}/T16384{suffix}") for m in MODELS]
         used += [r for r in picked if r]
         bars(ax, [MODEL_NAMES[m] for m in MODELS], picked, "tflops", "baseline_tflops", "TFLOP/s")
