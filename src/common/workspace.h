@@ -78,8 +78,10 @@ typedef enum {
                               (MOK_FC_*), which had reached `value` of `limit`; token = the task */
   MOK_WS_ERR_PEER_ROUTING = 6, /* expert parallelism: rank `value`'s routing was invalid (that
                                   rank reports which slot), so no rank computed this call */
-  MOK_WS_ERR_PEER_CAPACITY = 7 /* expert parallelism: rank `value` would receive `slot` routed
-                                  rows, its capacity is `limit`, so no rank computed this call */
+  MOK_WS_ERR_PEER_CAPACITY = 7, /* expert parallelism: rank `value` would receive `slot` routed
+                                   rows, its capacity is `limit`, so no rank computed this call */
+  MOK_WS_ERR_PEER_CONTEXT = 8   /* expert parallelism: rank `value`'s context did not match its
+                                   backward, so no rank computed this backward */
 } mok_ws_err_kind_t;
 
 /* Which field of the context header told a backward that its context does not match. */

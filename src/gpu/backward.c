@@ -46,9 +46,9 @@
 
 /* C[g] [n, k] = Σ_{rows r of group g} A[r]ᵀ ⊗ B[r] into the caller's dw in the layer's dtype.
  * a: [m, n] bf16, b: [m, k] bf16, dw: [G, n, k]; stage: the wgrad32 region (bf16 accumulate). */
-static mokResult_t bwd_wgrad(mok_layer_t l, int64_t groups, int64_t m, int64_t n, int64_t k,
+mokResult_t mok_gpu_wgrad(mok_layer_t l, int64_t groups, int64_t m, int64_t n, int64_t k,
                              const void *a, const void *b, const int32_t *offsets, void *dw,
-                             float *stage, const char *what, void *stream) {
+                         float *stage, const char *what, void *stream) {
   const int bf16 = l->d.wgrad_dtype == MOK_WGRAD_BF16, acc = l->d.wgrad_accumulate;
   mok_grouped_wgrad_params_t p;
   memset(&p, 0, sizeof(p));
@@ -225,23 +225,23 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
 
   /* 8. Weight gradients, reductions over each expert's rows in layout order. */
   float *stage = (float *)WS(MOK_WS_WGRAD32);
-  if ((r = bwd_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), p.offsets, gr->dwd, stage,
+  if ((r = mok_gpu_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), p.offsets, gr->dwd, stage,
                      "routed down", stream)) != MOK_SUCCESS)
     return r;
-  if ((r = bwd_wgrad(l, E, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), p.offsets, gr->dwg, stage,
+  if ((r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), p.offsets, gr->dwg, stage,
                      "routed gate", stream)) != MOK_SUCCESS)
     return r;
-  if ((r = bwd_wgrad(l, E, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), p.offsets, gr->dwu, stage,
+  if ((r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), p.offsets, gr->dwu, stage,
                      "routed up", stream)) != MOK_SUCCESS)
     return r;
   if (Is > 0) {
-    if ((r = bwd_wgrad(l, 1, T, H, Is, gr->dy, WS(MOK_WS_AS), p.shared_offsets, gr->dwsd, stage,
+    if ((r = mok_gpu_wgrad(l, 1, T, H, Is, gr->dy, WS(MOK_WS_AS), p.shared_offsets, gr->dwsd, stage,
                        "shared down", stream)) != MOK_SUCCESS)
       return r;
-    if ((r = bwd_wgrad(l, 1, T, Is, H, WS(MOK_WS_DGS), a->x, p.shared_offsets, gr->dwsg, stage,
+    if ((r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DGS), a->x, p.shared_offsets, gr->dwsg, stage,
                        "shared gate", stream)) != MOK_SUCCESS)
       return r;
-    if ((r = bwd_wgrad(l, 1, T, Is, H, WS(MOK_WS_DUS), a->x, p.shared_offsets, gr->dwsu, stage,
+    if ((r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DUS), a->x, p.shared_offsets, gr->dwsu, stage,
                        "shared up", stream)) != MOK_SUCCESS)
       return r;
   }
@@ -255,7 +255,9 @@ mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
   int prev;
   mokResult_t res = mok_gpu_begin_call(l, "mok_backward", stream, &prev);
   if (res != MOK_SUCCESS) return res;
-  const mokResult_t r = bwd_chain(l, a, g, (const char *)ctx, stream);
+  const mokResult_t r = l->comm->nranks > 1
+                            ? mok_gpu_backward_ep(l, a, g, (const char *)ctx, stream)
+                            : bwd_chain(l, a, g, (const char *)ctx, stream);
   cudaSetDevice(prev);
   return r;
 }

@@ -15,9 +15,9 @@
  *   combine    yk rows of other ranks' tokens to their home ranks; waits for every expert rank
  *   reduce     y = bf16(ys + Σ_k yk) in slot order
  *
- * Not yet fused into one persistent kernel (docs/design.md, "Expert parallelism"); the context
- * is not yet usable by a backward (mok_backward with W > 1 reports NOT_IMPLEMENTED), so its
- * header is written invalid. Counters advance by host-side call numbers (epochs), so a forward
+ * The context: its header (by prep, valid only when the call is), this rank's offsets, and in
+ * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). Not yet fused into
+ * one persistent kernel. Counters advance by host-side call numbers (epochs), so a forward
  * captured in a CUDA graph must not be replayed.
  */
 #include <string.h>
@@ -36,7 +36,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
   mokResult_t r;
 
-  /* The context: only its header (invalid: no backward reads an EP context yet). */
+  /* The context header stays invalid until the prep kernel has the call's verdict. */
   cudaError_t ce = cudaMemsetAsync(ctx + lay->ctx[MOK_CTX_HEADER], 0, sizeof(mok_ctx_header_t),
                                    (cudaStream_t)stream);
   if (ce != cudaSuccess) return mok_gpu_cuda_fail(l, "mok_forward: cudaMemsetAsync", ce);
@@ -57,6 +57,9 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     (q).xg = mok_gpu_ws(l, MOK_WS_XG);                                      \
     (q).yk = mok_gpu_ws(l, MOK_WS_YK);                                      \
     (q).ys = Is > 0 ? (const float *)mok_gpu_ws(l, MOK_WS_YS) : NULL;       \
+    (q).ctx_header = ctx + lay->ctx[MOK_CTX_HEADER];                        \
+    (q).ctx_offsets = (int32_t *)(ctx + lay->ctx[MOK_CTX_OFFSETS]);         \
+    (q).layer_id = l->id, (q).context_mode = l->d.context_mode;             \
   } while (0)
   EP_FILL(p);
   if ((r = mok_ep_prep_launch(&p, stream)) != MOK_SUCCESS)

@@ -25,9 +25,19 @@ struct mok_gpu_layer {
   mok_transport_t tp; /* W > 1: the transport (window, cross-rank layout, dispatch, combine) */
 };
 
-/* W > 1: the forward of an expert-parallel layer (src/gpu/forward_ep.c), after begin_call. */
+/* W > 1: the forward and backward of an expert-parallel layer (src/gpu/forward_ep.c,
+ * backward_ep.c), after begin_call. */
 mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void *y, char *ctx,
                                void *stream);
+mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
+                                const mok_backward_args_t *g, const char *ctx, void *stream);
+
+/* C[g] [n, k] = Σ_{rows r of group g} A[r]ᵀ ⊗ B[r] into the caller's dw in the layer's dtype
+ * (written or accumulated; src/gpu/backward.c). a: [m, n] bf16, b: [m, k] bf16, dw: [G, n, k];
+ * stage: the wgrad32 region (bf16 accumulate). */
+mokResult_t mok_gpu_wgrad(mok_layer_t l, int64_t groups, int64_t m, int64_t n, int64_t k,
+                          const void *a, const void *b, const int32_t *offsets, void *dw,
+                          float *stage, const char *what, void *stream);
 
 /* MOK_ERROR_CUDA for a failed CUDA call, recorded on the layer (a non-sticky error is cleared so
  * that later calls start clean). */

@@ -2,8 +2,8 @@
  * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h, and with W > 1 its
  * transport), its sizes, the start of every call on it, and the asynchronous errors its kernels
  * report through the workspace's error word and the transport's (mok_layer_check). BF16 layers
- * run on the GPU (W > 1: the forward; the backward reports MOK_ERROR_NOT_IMPLEMENTED); fp8 layers
- * allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their calls.
+ * run on the GPU; fp8 layers allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their
+ * calls.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +13,7 @@
 #include "gpu/gpu.h"
 
 #ifdef MOK_WITH_CUDA
+#include "cuda/backward/backward.h"
 #include "cuda/forward/forward.h"
 #endif
 
@@ -88,7 +89,8 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
     res = mok_transport_create(&g->tp, l->comm, &td);
     /* Every kernel of the forward loaded now: a first launch that loads it may wait for the
      * kernels running, which wait for the other ranks' calls. */
-    if (res == MOK_SUCCESS && (mok_ep_preload() != MOK_SUCCESS || mok_gg_preload() != MOK_SUCCESS))
+    if (res == MOK_SUCCESS && (mok_ep_preload() != MOK_SUCCESS || mok_gg_preload() != MOK_SUCCESS ||
+                               mok_gw_preload() != MOK_SUCCESS || mok_bwd_preload() != MOK_SUCCESS))
       res = mok_fail(NULL, MOK_ERROR_CUDA, "mok_layer_create: loading the kernels failed");
   }
   cudaSetDevice(prev);
@@ -124,11 +126,6 @@ size_t mok_gpu_context_bytes(mok_layer_t l) {
 /* ---- the start of a call ---------------------------------------------------------------------- */
 
 static mokResult_t gpu_check_supported(mok_layer_t l, const char *fn) {
-  if (l->comm->nranks != 1 && strcmp(fn, "mok_forward") != 0)
-    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "%s on GPU %d with W = %d ranks: the expert-parallel backward is not "
-                    "implemented on the GPU yet (its forward is; W = 1 has both)",
-                    fn, l->comm->device, l->comm->nranks);
   if (l->d.precision != MOK_PRECISION_BF16)
     return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
                     "%s on GPU %d: %s layers are not implemented on the GPU yet (BF16 is); use a "
@@ -239,6 +236,13 @@ mokResult_t mok_gpu_check(mok_layer_t l) {
                    "(capacity_factor %g); no rank computed that forward, and y was left unchanged",
                    l->comm->rank, l->comm->nranks, (long long)e.value, (long long)e.slot,
                    (long long)e.limit, l->d.capacity_factor);
+  else if (e.kind == MOK_WS_ERR_PEER_CONTEXT)
+    res = mok_fail(l, MOK_ERROR_CONTEXT_MISMATCH,
+                   "rank %d of %d: rank %lld's ctx did not match its mok_backward call (that "
+                   "rank's mok_layer_check says how); no rank computed that backward: dx and "
+                   "dtopk_w unchanged, weight gradients zeroed when overwritten, unchanged when "
+                   "accumulated",
+                   l->comm->rank, l->comm->nranks, (long long)e.value);
   else if (e.kind == MOK_WS_ERR_TIMEOUT)
     res = mok_fail(l, MOK_ERROR_TIMEOUT,
                    "the fused forward's task %lld waited past the timeout on counter %lld (it "

@@ -7,7 +7,8 @@
  * One transport = one symmetric window of
  *   flags [2, W] u64 | disp_ctr [W] u64 | comb_ctr [W] u64 | slots [2, W, E + W + 4] int32 |
  *   recv_x [W * T_max, H] bf16 | recv_meta [W * T_max, K + 1] int32 | comb [T_max, K, H] bf16 |
- *   row_w, row_src [W * T_max * K] (layers only: each row's router weight and token source)
+ *   row_w, row_src [W * T_max * K] | recv_x2 [W * T_max, H] | comb_w [T_max, K] (layers only:
+ *   each row's router weight and token source; the backward's dy rows and router gradients)
  * (regions 256-byte aligned), plus ordinary device memory for this rank's layout and error word.
  * A local communicator (W = 1, no NCCL) gets a plain cudaMalloc window.
  */
@@ -74,6 +75,8 @@ static void tp_window_layout(const mok_transport_desc_t *d, int W, mok_tp_window
   wl->comb = off, off = tp_align(off + T * K * H * 2);
   wl->row_w = off, off = tp_align(off + (size_t)W * T * K * 4);
   wl->row_src = off, off = tp_align(off + (size_t)W * T * K * 4);
+  wl->recv_x2 = off, off = tp_align(off + (size_t)W * T * H * 2);
+  wl->comb_w = off, off = tp_align(off + T * K * 4);
   wl->bytes = off;
 }
 
@@ -280,6 +283,12 @@ static mokResult_t tp_usable(const mok_transport_t t, const char *fn) {
 
 mokResult_t mok_transport_layout(mok_transport_t t, int64_t num_tokens, const int32_t *topk_idx,
                                  void *stream) {
+  return mok_transport_layout_checked(t, num_tokens, topk_idx, NULL, stream);
+}
+
+mokResult_t mok_transport_layout_checked(mok_transport_t t, int64_t num_tokens,
+                                         const int32_t *topk_idx, const int32_t *local_ok,
+                                         void *stream) {
   if (!t) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_transport_layout: t is NULL");
   mokResult_t res = tp_usable(t, "mok_transport_layout");
   if (res != MOK_SUCCESS) return res;
@@ -298,6 +307,7 @@ mokResult_t mok_transport_layout(mok_transport_t t, int64_t num_tokens, const in
   t->layout_epoch++;
   mok_tp_params_t p;
   tp_params(t, &p);
+  p.local_ok = local_ok;
   res = mok_tp_layout_launch(&p, stream);
   if (res != MOK_SUCCESS) res = mok_fail(NULL, res, "mok_transport_layout: launch failed");
   t->last_stream = stream;

@@ -16,11 +16,12 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../support/timer.h"
 #include "api/internal.h"
-#include "forward_test_util.cuh"
+#include "backward_test_util.cuh"
 
 #define NEED_GPU() \
   if (!test_gpu_present()) MOK_SKIP("no CUDA device")
@@ -32,6 +33,7 @@ enum { EP_MAX_W = 8 };
 typedef struct {
   int W;
   int64_t EL, T_max, H, I, K;
+  size_t wgrad_el; // bytes per weight-gradient element
   mok_comm_t comm[EP_MAX_W];
   mok_layer_t l[EP_MAX_W];
   cudaStream_t s[EP_MAX_W];
@@ -41,27 +43,35 @@ typedef struct {
   float *tw[EP_MAX_W];
   uint8_t *ctx[EP_MAX_W];
   size_t ctx_bytes;
+  // backward (ep_open_backward): dy, dx, dtopk_w per rank; the routed weight gradients of all E
+  // experts in one buffer each (rank r writes its slice); the shared expert's per rank
+  uint16_t *dy[EP_MAX_W], *dx[EP_MAX_W];
+  float *dtw[EP_MAX_W];
+  void *dwr[3], *dws[EP_MAX_W][3];
 } ep_team_t;
 
 static void ep_close(ep_team_t *t) {
   cudaDeviceSynchronize();
   for (int r = 0; r < t->W; r++) {
     if (t->l[r]) mok_layer_destroy(t->l[r]);
-    void *b[] = {t->x[r], t->y[r], t->idx[r], t->tw[r], t->ctx[r]};
+    void *b[] = {t->x[r], t->y[r], t->idx[r], t->tw[r], t->ctx[r], t->dy[r], t->dx[r], t->dtw[r],
+                 t->dws[r][0], t->dws[r][1], t->dws[r][2]};
     for (void *q : b)
       if (q) cudaFree(q);
     if (t->s[r]) cudaStreamDestroy(t->s[r]);
   }
   for (int r = 0; r < t->W; r++)
     if (t->comm[r]) mok_comm_destroy(t->comm[r]);
-  void *w[] = {t->wg, t->wu, t->wd, t->wsg, t->wsu, t->wsd};
+  void *w[] = {t->wg, t->wu, t->wd, t->wsg, t->wsu, t->wsd, t->dwr[0], t->dwr[1], t->dwr[2]};
   for (void *q : w)
     if (q) cudaFree(q);
   memset(t, 0, sizeof(*t));
 }
 
-// A team of W ranks for p's shape (T_max per rank), with tuning timeout `timeout_s` (0: default).
-static int ep_open(ep_team_t *t, const fwd_problem_t *p, int W, int64_t T_max, double timeout_s) {
+// A team of W ranks for p's shape (T_max per rank), with tuning timeout `timeout_s` (0: default)
+// and the layer descriptor's weight-gradient fields from `wdt`, `accumulate`.
+static int ep_open_wgrad(ep_team_t *t, const fwd_problem_t *p, int W, int64_t T_max,
+                         double timeout_s, mok_wgrad_dtype_t wdt, int accumulate) {
   memset(t, 0, sizeof(*t));
   t->W = W, t->EL = p->E / W, t->T_max = T_max, t->H = p->H, t->I = p->I, t->K = p->K;
   if (mok_comm_create_virtual(t->comm, W, 0) != MOK_SUCCESS) {
@@ -69,6 +79,8 @@ static int ep_open(ep_team_t *t, const fwd_problem_t *p, int W, int64_t T_max, d
     return 0;
   }
   mok_layer_desc_t d = fwd_desc(p, p->Is, T_max);
+  d.wgrad_dtype = wdt, d.wgrad_accumulate = accumulate;
+  t->wgrad_el = wdt == MOK_WGRAD_BF16 ? 2 : 4;
   for (int r = 0; r < W; r++) {
     if (mok_layer_create(&t->l[r], t->comm[r], &d) != MOK_SUCCESS) {
       printf("    rank %d layer: %s\n", r, mok_last_error());
@@ -93,6 +105,10 @@ static int ep_open(ep_team_t *t, const fwd_problem_t *p, int W, int64_t T_max, d
   t->wg = to_dev(p->wg), t->wu = to_dev(p->wu), t->wd = to_dev(p->wd);
   if (p->Is > 0) t->wsg = to_dev(p->wsg), t->wsu = to_dev(p->wsu), t->wsd = to_dev(p->wsd);
   return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+static int ep_open(ep_team_t *t, const fwd_problem_t *p, int W, int64_t T_max, double timeout_s) {
+  return ep_open_wgrad(t, p, W, T_max, timeout_s, MOK_WGRAD_FP32, 0);
 }
 
 // Rank r's tokens are tokens [start_r, start_r + T_r) of p (rank order), poisoned y.
@@ -361,5 +377,233 @@ MOK_TEST(ep_rank_that_never_arrives_times_out) {
   MOK_EXPECT_MSG(chk == MOK_ERROR_TIMEOUT && strstr(msg, "rank 1"), "rank 0: %s", msg);
   MOK_EXPECT_MSG(s < 5.0, "rank 0's forward took %.1f s with a 0.5 s bound", s);
   printf("    rank 0 gave up after %.2f s: %s\n", s, msg);
+  ep_close(&t);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Backward                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+// A team for bwd_problem p (T_max per rank) with its backward buffers: routed weight gradients
+// start from p's dw0 (accumulate) or NaN poison, the shared ones likewise per rank.
+static int ep_open_backward(ep_team_t *t, const bwd_problem_t *p, int W, int64_t T_max) {
+  if (!ep_open_wgrad(t, &p->f, W, T_max, 0, p->wdt, p->accumulate)) return 0;
+  const int64_t H = p->f.H, K = p->f.K;
+  int ok = 1;
+  for (int i = 0; i < 3; i++) {
+    ok &= cudaMalloc(&t->dwr[i], bwd_w_bytes(p, i) + 16) == cudaSuccess;
+    if (ok && p->accumulate)
+      cudaMemcpy(t->dwr[i], p->dw0[i].data(), bwd_w_bytes(p, i), cudaMemcpyHostToDevice);
+    else if (ok) cudaMemset(t->dwr[i], 0xFF, bwd_w_bytes(p, i));
+  }
+  for (int r = 0; r < W && ok; r++) {
+    ok &= cudaMalloc((void **)&t->dy[r], (size_t)(T_max * H) * 2 + 16) == cudaSuccess;
+    ok &= cudaMalloc((void **)&t->dx[r], (size_t)(T_max * H) * 2 + 16) == cudaSuccess;
+    ok &= cudaMalloc((void **)&t->dtw[r], (size_t)(T_max * K) * 4 + 16) == cudaSuccess;
+    for (int i = 0; i < 3 && p->f.Is > 0 && ok; i++) {
+      ok &= cudaMalloc(&t->dws[r][i], bwd_w_bytes(p, 3 + i) + 16) == cudaSuccess;
+      if (ok && p->accumulate)
+        cudaMemcpy(t->dws[r][i], p->dw0[3 + i].data(), bwd_w_bytes(p, 3 + i), cudaMemcpyHostToDevice);
+      else if (ok) cudaMemset(t->dws[r][i], 0xFF, bwd_w_bytes(p, 3 + i));
+    }
+  }
+  if (!ok) {
+    printf("    EP backward: device allocation failed\n");
+    ep_close(t);
+  }
+  return ok;
+}
+
+// dy of each rank's tokens (rank order), poisoned dx and dtopk_w.
+static void ep_backward_inputs(ep_team_t *t, const bwd_problem_t *p, const int64_t *T) {
+  int64_t start = 0;
+  for (int r = 0; r < t->W; r++) {
+    if (T[r] > 0)
+      cudaMemcpy(t->dy[r], p->dy.data() + start * t->H, (size_t)(T[r] * t->H) * 2,
+                 cudaMemcpyHostToDevice);
+    cudaMemset(t->dx[r], 0xFF, (size_t)(t->T_max * t->H) * 2);
+    cudaMemset(t->dtw[r], 0xFF, (size_t)(t->T_max * t->K) * 4);
+    start += T[r];
+  }
+  cudaDeviceSynchronize();
+}
+
+static void ep_backward(ep_team_t *t, const int64_t *T, mokResult_t *res) {
+  for (int r = 0; r < t->W; r++) {
+    mok_weights_t w;
+    memset(&w, 0, sizeof(w));
+    const size_t ew = (size_t)(t->EL * t->H * t->I);
+    w.wg = t->wg + r * ew, w.wu = t->wu + r * ew, w.wd = t->wd + r * ew;
+    w.wsg = t->wsg, w.wsu = t->wsu, w.wsd = t->wsd;
+    const mok_forward_args_t a = test_forward_args(T[r], t->x[r], t->idx[r], t->tw[r], w);
+    void *dw[6];
+    for (int i = 0; i < 3; i++) dw[i] = (char *)t->dwr[i] + r * ew * t->wgrad_el;
+    for (int i = 0; i < 3; i++) dw[3 + i] = t->dws[r][i];
+    const mok_backward_args_t b = test_backward_args(T[r], t->dy[r], t->dx[r], t->dtw[r], dw,
+                                                     t->wsg != NULL);
+    res[r] = mok_backward(t->l[r], &a, &b, t->ctx[r], t->ctx_bytes, (mok_stream_t)t->s[r]);
+  }
+}
+
+// The outputs of rank r (dx, dtopk_w of its tokens; its shared-expert gradients).
+static void ep_backward_outputs(const ep_team_t *t, const bwd_problem_t *p, int r, int64_t T,
+                                bwd_out_t *o) {
+  o->dx.assign((size_t)(T * t->H), 0);
+  o->dtw.assign((size_t)(T * t->K), 0.0f);
+  if (T > 0) {
+    cudaMemcpy(o->dx.data(), t->dx[r], o->dx.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o->dtw.data(), t->dtw[r], o->dtw.size() * 4, cudaMemcpyDeviceToHost);
+  }
+  for (int i = 0; i < BWD_NW; i++) {
+    o->dw[i].assign(i < 3 || p->f.Is > 0 ? bwd_w_bytes(p, i) : 0, 0);
+    if (o->dw[i].empty()) continue;
+    cudaMemcpy(o->dw[i].data(), i < 3 ? t->dwr[i] : t->dws[r][i - 3], o->dw[i].size(),
+               cudaMemcpyDeviceToHost);
+  }
+}
+
+// p's problem restricted to tokens [start, start + T) (moved to the front), T_max = max(T, 1).
+static bwd_problem_t ep_slice(const bwd_problem_t *p, int64_t start, int64_t T) {
+  bwd_problem_t q = *p;
+  const int64_t H = p->f.H, K = p->f.K, Tm = T > 0 ? T : 1;
+  q.f.T = T, q.f.T_max = Tm;
+  q.f.x.assign((size_t)(Tm * H), 0), q.dy.assign((size_t)(Tm * H), 0);
+  q.f.idx.assign((size_t)(Tm * K), -1), q.f.tw.assign((size_t)(Tm * K), 0.0f);
+  std::copy(p->f.x.begin() + start * H, p->f.x.begin() + (start + T) * H, q.f.x.begin());
+  std::copy(p->dy.begin() + start * H, p->dy.begin() + (start + T) * H, q.dy.begin());
+  std::copy(p->f.idx.begin() + start * K, p->f.idx.begin() + (start + T) * K, q.f.idx.begin());
+  std::copy(p->f.tw.begin() + start * K, p->f.tw.begin() + (start + T) * K, q.f.tw.begin());
+  q.f.capacity_factor = 0;
+  return q;
+}
+
+// W = 1 forward + backward of q on the GPU; 0 on failure.
+static int ep_w1_backward(const bwd_problem_t *q, bwd_out_t *o) {
+  bwd_gpu_t g;
+  if (!bwd_gpu_open(&g, q)) return 0;
+  bwd_gpu_inputs(&g, q);
+  int ok = q->f.T == 0 ? 1
+                       : bwd_gpu_run(&g, q, 0) == MOK_SUCCESS && mok_layer_check(g.f.l) == MOK_SUCCESS;
+  if (q->f.T == 0) {  // a backward of no tokens: what it leaves in the shared gradients
+    const mok_forward_args_t a = test_gpu_layer_args(&g.f, 0);
+    const mok_backward_args_t b = test_backward_args(0, g.dy, g.dx, g.dtw, g.dw, q->f.Is > 0);
+    ok = test_gpu_layer_forward(&g.f, 0, NULL) == MOK_SUCCESS &&
+         mok_backward(g.f.l, &a, &b, g.f.ctx, g.f.ctx_bytes, NULL) == MOK_SUCCESS &&
+         mok_layer_check(g.f.l) == MOK_SUCCESS;
+  }
+  if (ok) bwd_gpu_outputs(&g, q, o);
+  bwd_gpu_close(&g);
+  return ok;
+}
+
+// Forward + backward with W ranks holding tokens T[0..W-1] of p (rank order): dx, dtopk_w and
+// the routed experts' weight gradients bitwise the W = 1 layer's over all tokens; each rank's
+// shared-expert gradients bitwise a W = 1 layer's over that rank's tokens.
+static int ep_bwd_case(const bwd_problem_t *p, int W, const int64_t *T, const char *what) {
+  int64_t total = 0, T_max = 1;
+  for (int r = 0; r < W; r++) total += T[r], T_max = T[r] > T_max ? T[r] : T_max;
+  bwd_out_t ref;
+  const bwd_problem_t all = ep_slice(p, 0, total);
+  if (!ep_w1_backward(&all, &ref)) {
+    printf("    %s: the W = 1 layer failed\n", what);
+    MOK_EXPECT_MSG(0, "%s: no reference", what);
+    return 0;
+  }
+  ep_team_t t;
+  if (!ep_open_backward(&t, p, W, T_max)) return 0;
+  ep_inputs(&t, &p->f, T);
+  ep_backward_inputs(&t, p, T);
+  mokResult_t res[EP_MAX_W], bres[EP_MAX_W], chk[EP_MAX_W];
+  char msg[EP_MAX_W][MOK_ERR_LEN];
+  ep_forward(&t, T, res, -1);
+  ep_backward(&t, T, bres);
+  ep_check(&t, chk, msg);
+  int ok = 1;
+  for (int r = 0; r < W; r++)
+    if (res[r] != MOK_SUCCESS || bres[r] != MOK_SUCCESS || chk[r] != MOK_SUCCESS) {
+      printf("    %s: rank %d: forward %s, backward %s, check %s: %s\n", what, r,
+             mok_error_string(res[r]), mok_error_string(bres[r]), mok_error_string(chk[r]),
+             msg[r]);
+      ok = 0;
+    }
+  int64_t start = 0;
+  for (int r = 0; r < W && ok; r++) {
+    bwd_out_t o, own;
+    ep_backward_outputs(&t, p, r, T[r], &o);
+    const bwd_problem_t mine = ep_slice(p, start, T[r]);
+    const int own_ok = p->f.Is == 0 || ep_w1_backward(&mine, &own);
+    const int dx_same = memcmp(o.dx.data(), ref.dx.data() + start * t.H, o.dx.size() * 2) == 0;
+    const int dtw_same = memcmp(o.dtw.data(), ref.dtw.data() + start * t.K, o.dtw.size() * 4) == 0;
+    int dw_same = 1, dws_same = 1;
+    for (int i = 0; i < 3; i++) dw_same &= r > 0 || o.dw[i] == ref.dw[i];
+    for (int i = 3; i < BWD_NW && p->f.Is > 0; i++) dws_same &= own_ok && o.dw[i] == own.dw[i];
+    if (!dx_same || !dtw_same || !dw_same || !dws_same) {
+      printf("    %s: rank %d (%lld tokens): dx %s, dtopk_w %s, routed weight gradients %s, "
+             "shared ones %s\n",
+             what, r, (long long)T[r], dx_same ? "same" : "DIFFER", dtw_same ? "same" : "DIFFER",
+             dw_same ? "same" : "DIFFER", dws_same ? "same" : "DIFFER");
+      ok = 0;
+    }
+    start += T[r];
+  }
+  ep_close(&t);
+  MOK_EXPECT_MSG(ok, "%s: the expert-parallel gradients are not the W = 1 layer's", what);
+  return ok;
+}
+
+static void ep_bwd_problem(bwd_problem_t *p, int64_t Is, int64_t T, test_route_t route) {
+  bwd_problem_init(p, 256, 256, 16, 4, Is, T, T);
+  fwd_route(&p->f, route);
+}
+
+MOK_TEST(ep_backward_equals_one_rank) {
+  NEED_GPU();
+  bwd_problem_t p;
+  ep_bwd_problem(&p, 128, 300, test_route_uniform(0.1));
+  const int64_t two[2] = {211, 89}, zero[2] = {0, 300}, four[4] = {100, 0, 141, 59};
+  ep_bwd_case(&p, 2, two, "W = 2, 211 + 89 tokens");
+  ep_bwd_case(&p, 2, zero, "W = 2, rank 0 without tokens");
+  ep_bwd_case(&p, 4, four, "W = 4, 100 + 0 + 141 + 59 tokens");
+  p.f.mode = MOK_CONTEXT_RECOMPUTE;
+  ep_bwd_case(&p, 2, two, "W = 2, RECOMPUTE");
+  p.f.mode = MOK_CONTEXT_SAVE;
+  bwd_set_wgrad(&p, MOK_WGRAD_BF16, 1);
+  ep_bwd_case(&p, 2, two, "W = 2, bf16 weight gradients accumulated");
+  bwd_set_wgrad(&p, MOK_WGRAD_FP32, 1);
+  ep_bwd_case(&p, 4, four, "W = 4, fp32 weight gradients accumulated");
+  const test_route_t hot = {0.3, 0, 13};
+  ep_bwd_problem(&p, 0, 300, hot);
+  ep_bwd_case(&p, 2, two, "W = 2, no shared expert, a hot expert, 30% empty slots");
+}
+
+// A context that does not match on one rank: that rank says why, the other names it, and no
+// rank computes (dx untouched on both).
+MOK_TEST(ep_backward_context_mismatch_on_one_rank) {
+  NEED_GPU();
+  bwd_problem_t p;
+  ep_bwd_problem(&p, 0, 200, test_route_uniform(0.1));
+  const int64_t T[2] = {120, 80};
+  ep_team_t t;
+  MOK_REQUIRE(ep_open_backward(&t, &p, 2, 128));
+  ep_inputs(&t, &p.f, T);
+  ep_backward_inputs(&t, &p, T);
+  mokResult_t res[2], chk[2];
+  char msg[2][MOK_ERR_LEN];
+  ep_forward(&t, T, res, -1);
+  ep_check(&t, chk, msg);
+  MOK_REQUIRE(chk[0] == MOK_SUCCESS && chk[1] == MOK_SUCCESS);
+  cudaMemset(t.ctx[1], 0, 64);  // rank 1's header: no longer a forward's
+  ep_backward(&t, T, res);
+  ep_check(&t, chk, msg);
+  MOK_EXPECT_MSG(chk[1] == MOK_ERROR_CONTEXT_MISMATCH, "rank 1: %s", msg[1]);
+  MOK_EXPECT_MSG(chk[0] == MOK_ERROR_CONTEXT_MISMATCH && strstr(msg[0], "rank 1's ctx"),
+                 "rank 0: %s", msg[0]);
+  for (int r = 0; r < 2; r++) {
+    std::vector<uint16_t> dx((size_t)(T[r] * p.f.H));
+    cudaMemcpy(dx.data(), t.dx[r], dx.size() * 2, cudaMemcpyDeviceToHost);
+    size_t touched = 0;
+    for (uint16_t v : dx) touched += v != 0xFFFF;
+    MOK_EXPECT_MSG(touched == 0, "rank %d wrote %zu elements of dx", r, touched);
+  }
   ep_close(&t);
 }

@@ -80,6 +80,10 @@ typedef struct {
 } mok_bwd_swiglu_params_t;
 mokResult_t mok_bwd_swiglu_launch(const mok_bwd_swiglu_params_t *p, void *stream);
 
+/* Loads the backward's own kernels now (the context check, SwiGLU backward, wgrad store), not at
+ * their first launch (src/cuda/gemm/gemm.h, mok_gg_preload, says why). */
+mokResult_t mok_bwd_preload(void);
+
 /* Stores an fp32 weight gradient g [n] into the caller's bf16 buffer: dst = bf16(g), or
  * bf16(fp32(dst) + g) when accumulate (src/cpu_backend.c's write_wgrad, bit for bit). n % 8 == 0,
  * both pointers 16-byte aligned. */

@@ -72,6 +72,11 @@ __global__ void __launch_bounds__(CC_THREADS, 1)
 /* Launcher                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
+extern "C" cudaError_t mok_bwd_cc_preload(void) {
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, cc_check_kernel);
+}
+
 extern "C" mokResult_t mok_bwd_context_check_launch(const mok_bwd_local_params_t *p, void *stream) {
   if (!p || !p->err || !p->status || !p->offsets || !p->shared_offsets || !p->ctx_header ||
       !p->ctx_offsets || (p->T > 0 && !p->topk_idx))

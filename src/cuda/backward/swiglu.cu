@@ -95,6 +95,11 @@ __global__ void __launch_bounds__(SB_THREADS)
 
 static int sb_aligned(const void *ptr, unsigned a) { return ((uintptr_t)ptr & (a - 1)) == 0; }
 
+extern "C" cudaError_t mok_bwd_sb_preload(void) {
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, sb_swiglu_backward_kernel);
+}
+
 extern "C" mokResult_t mok_bwd_swiglu_launch(const mok_bwd_swiglu_params_t *p, void *stream) {
   if (!p || !p->offsets || !p->g || !p->u || !p->ds || !p->a || !p->dg || !p->du)
     return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "SwiGLU backward launch: NULL buffer");

@@ -44,6 +44,19 @@ __global__ void __launch_bounds__(WS_THREADS)
   }
 }
 
+extern "C" cudaError_t mok_bwd_cc_preload(void); /* context_check.cu */
+extern "C" cudaError_t mok_bwd_sb_preload(void);  /* swiglu.cu */
+
+extern "C" mokResult_t mok_bwd_preload(void) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, ws_store_bf16_kernel) != cudaSuccess ||
+      mok_bwd_cc_preload() != cudaSuccess || mok_bwd_sb_preload() != cudaSuccess) {
+    cudaGetLastError();
+    return MOK_ERROR_CUDA;
+  }
+  return MOK_SUCCESS;
+}
+
 extern "C" mokResult_t mok_bwd_wgrad_store_bf16_launch(const float *g, void *dst, int64_t n,
                                                        int accumulate, void *stream) {
   if (!g || !dst) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "wgrad store launch: NULL buffer");

@@ -156,6 +156,8 @@ typedef struct {
                        experts, written by the row's home rank */
   size_t row_src;   /* [W * T_max * K] int32 (layers) where the row's token is: its recv_x
                        position p >= 0, or -(t + 1) for token t of this rank */
+  size_t recv_x2;   /* [W * T_max, H] bf16 (layers' backward) dy of the tokens in recv_x */
+  size_t comb_w;    /* [T_max, K] fp32 (layers' backward) router-weight gradients sent home */
   size_t bytes;
   int64_t slot_ints; /* E + W + 4 per source: counts per expert, tokens per destination, header */
 } mok_tp_window_layout_t;
@@ -200,6 +202,19 @@ typedef struct {
   void *xg;                   /* [R, H] bf16 rows of this rank's experts, in layout order */
   const void *yk;             /* [R, H] bf16 expert outputs of those rows */
   const float *ys;            /* [T, H] fp32 shared-expert output, or NULL */
+  /* ... and their backward (x, xg: the tokens' x; x2, xg2: their dy; y, yk, ys: dx, the rows'
+   * bf16 dxk, the shared expert's fp32 dxs): */
+  const void *x2;             /* [T, H] bf16 dy: dispatch sends it beside x, into recv_x2 */
+  void *xg2;                  /* [R, H] bf16 dy rows of this rank's experts (gather) */
+  const float *row_val;       /* [R] router-weight gradient of each row: combine sends it home */
+  float *dtopk_w;             /* [T, K] (reduce), or NULL in the forward */
+  const int32_t *local_ok;    /* [1] the layout's all-gathered status is valid only if this is 1
+                                 (the backward's context check), or NULL */
+  /* The saved context (forward prep writes its header and this rank's offsets): */
+  void *ctx_header;
+  int32_t *ctx_offsets;       /* [EL + 1] */
+  uint64_t layer_id;
+  int64_t context_mode;
 } mok_tp_params_t;
 
 mokResult_t mok_tp_layout_launch(const mok_tp_params_t *p, void *stream);
@@ -213,6 +228,15 @@ mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream);
  * MOK_TP_COMBINE or 0) counts the next call of those phases, as mok_transport_run does, and the
  * stream becomes the one mok_transport_check synchronizes with. After mok_transport_layout. */
 mokResult_t mok_transport_params(mok_transport_t t, int phases, void *stream, mok_tp_params_t *p);
+/* mok_transport_layout whose all-gathered status is invalid, on every rank, unless *local_ok
+ * (device memory, written earlier on the stream) is 1: a layer's backward whose context check
+ * failed on one rank computes on none. */
+mokResult_t mok_transport_layout_checked(mok_transport_t t, int64_t num_tokens,
+                                         const int32_t *topk_idx, const int32_t *local_ok,
+                                         void *stream);
+/* dst [rows, H] bf16 = bf16(src [rows, H] fp32), rows = offsets[EL] (the backward's dxk). */
+mokResult_t mok_ep_round_rows_launch(const float *src, void *dst, const int32_t *offsets,
+                                     int64_t EL, int64_t R, int64_t H, void *stream);
 /* Loads the transport's kernels (mok_tp_preload) and the layer's (mok_ep_preload) now, not at
  * their first launch, which may wait for kernels already running (gemm.h, mok_gg_preload). */
 mokResult_t mok_tp_preload(void);

@@ -28,7 +28,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common/context.h"
 #include "cuda/comm/comm.h"
+#include "cuda/comm/layout.cuh"
 #include "cuda/comm/transport.cuh"
 #include "cuda/error_word.cuh"
 #include "cuda/forward/rows.cuh"
@@ -36,17 +38,21 @@
 #define EP_THREADS 256
 
 // The call's verdict, the same on every rank: the layout valid and no rank above capacity.
-// *bad_rank: the first rank at fault (-1 when none), *bad_rows its rows when over capacity.
-__device__ __forceinline__ int ep_verdict(const mok_tp_params_t &p, int *bad_rank, int *bad_rows) {
-  *bad_rank = -1, *bad_rows = 0;
+// *bad_rank: the first rank at fault (-1 when none), *bad_code its slot status (LAYOUT_BAD_*),
+// *bad_rows its rows when over capacity.
+__device__ __forceinline__ int ep_verdict(const mok_tp_params_t &p, int *bad_rank, int *bad_code,
+                                          int *bad_rows) {
+  *bad_rank = -1, *bad_code = 1, *bad_rows = 0;
   if (*p.lay.valid != 1) {
     // The layout was invalid: the first source whose all-gathered status says so (header int 3
     // after the E + W counts of its slot, this call's parity).
     const int64_t S = p.win.slot_ints, B = p.E + p.nranks;
     const int32_t *slots =
         (const int32_t *)(p.peer[p.rank] + p.win.slots) + (p.layout_epoch & 1) * p.nranks * S;
-    for (int s = 0; s < p.nranks && *bad_rank < 0; s++)
-      if (tp_ld_peer_i32(slots + s * S + B + 3) != 1) *bad_rank = s;
+    for (int s = 0; s < p.nranks && *bad_rank < 0; s++) {
+      const int32_t code = tp_ld_peer_i32(slots + s * S + B + 3);
+      if (code != 1) *bad_rank = s, *bad_code = code;
+    }
     return 0;
   }
   for (int r = 0; r < p.nranks; r++)
@@ -57,12 +63,34 @@ __device__ __forceinline__ int ep_verdict(const mok_tp_params_t &p, int *bad_ran
   return 1;
 }
 
+// A forward's context header (block 0, all threads): magic once the call is valid, the routing
+// hash of src/cuda/forward/layout.cu (an order-free sum), so the W = 1 context check serves.
+__device__ __forceinline__ void ep_write_header(const mok_tp_params_t &p, int ok) {
+  __shared__ unsigned long long s_hash;
+  if (threadIdx.x == 0) s_hash = 0;
+  __syncthreads();
+  uint64_t hash = 0;
+  for (int64_t i = threadIdx.x; i < p.T * p.K; i += blockDim.x)
+    hash += mok_ws_routing_mix((uint64_t)i, p.topk_idx[i]);
+  for (int o = 16; o > 0; o >>= 1) hash += __shfl_xor_sync(0xFFFFFFFFu, hash, o);
+  if ((threadIdx.x & 31) == 0) atomicAdd(&s_hash, (unsigned long long)hash);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mok_ctx_header_t *h = (mok_ctx_header_t *)p.ctx_header;
+    h->layer_id = p.layer_id;
+    h->num_tokens = p.T;
+    h->routing_hash = s_hash;
+    h->mode = p.context_mode;
+    h->magic = ok ? MOK_CTX_MAGIC : 0;
+  }
+}
+
 __global__ void __launch_bounds__(EP_THREADS)
     ep_prep_kernel(const __grid_constant__ mok_tp_params_t p) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
-    int bad_rank, bad_rows;
-    s_ok = ep_verdict(p, &bad_rank, &bad_rows);
+    int bad_rank, bad_code, bad_rows;
+    s_ok = ep_verdict(p, &bad_rank, &bad_code, &bad_rows);
     if (blockIdx.x == 0) {
       mok_ws_error_t *err = (mok_ws_error_t *)p.layer_err;
       *p.status = s_ok;
@@ -75,21 +103,31 @@ __global__ void __launch_bounds__(EP_THREADS)
         else
           mok_ws_record_error(err, MOK_ERROR_CAPACITY_OVERFLOW, MOK_WS_ERR_PEER_CAPACITY, 0,
                               bad_rows, bad_rank, p.R);
-      } else if (!s_ok && bad_rank != p.rank) {
-        // This rank's own bad slot is in the transport's error word (the layout recorded it).
-        mok_ws_record_error(err, MOK_ERROR_INVALID_ROUTING, MOK_WS_ERR_PEER_ROUTING, 0, 0,
-                            bad_rank, 0);
+      } else if (!s_ok && bad_rank >= 0 && bad_rank != p.rank) {
+        // This rank's own fault is reported where it was found (the layout's bad slot in the
+        // transport's error word, the context check's mismatch in the layer's).
+        if (bad_code == LAYOUT_BAD_CONTEXT)
+          mok_ws_record_error(err, MOK_ERROR_CONTEXT_MISMATCH, MOK_WS_ERR_PEER_CONTEXT, 0, 0,
+                              bad_rank, 0);
+        else
+          mok_ws_record_error(err, MOK_ERROR_INVALID_ROUTING, MOK_WS_ERR_PEER_ROUTING, 0, 0,
+                              bad_rank, 0);
       }
     }
   }
   __syncthreads();
   const int ok = s_ok;
   const int64_t EL = p.EL;
-  if (blockIdx.x == 0)
-    for (int64_t e = threadIdx.x; e <= EL; e += blockDim.x)
-      p.offsets[e] = !ok ? 0
-                     : e < EL ? p.lay.expert_start[p.rank * EL + e]
-                              : p.lay.rank_rows[p.rank];
+  if (blockIdx.x == 0) {
+    for (int64_t e = threadIdx.x; e <= EL; e += blockDim.x) {
+      const int32_t o = !ok ? 0
+                        : e < EL ? p.lay.expert_start[p.rank * EL + e]
+                                 : p.lay.rank_rows[p.rank];
+      p.offsets[e] = o;
+      if (p.ctx_offsets) p.ctx_offsets[e] = o;
+    }
+    if (p.ctx_header) ep_write_header(p, ok);
+  }
   if (!ok) return;
   // The rows of this rank's own tokens on this rank's experts (the others' come with dispatch).
   const int64_t n = p.T * p.K;
@@ -110,6 +148,9 @@ __global__ void __launch_bounds__(EP_THREADS)
   const uint4 *recv = (const uint4 *)(p.peer[p.rank] + p.win.recv_x);
   const uint4 *x = (const uint4 *)p.x;
   uint4 *xg = (uint4 *)p.xg;
+  const uint4 *recv2 = (const uint4 *)(p.peer[p.rank] + p.win.recv_x2);
+  const uint4 *x2 = (const uint4 *)p.x2;
+  uint4 *xg2 = (uint4 *)p.xg2;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
   for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
        r += warps) {
@@ -117,6 +158,11 @@ __global__ void __launch_bounds__(EP_THREADS)
     const uint4 *from = src >= 0 ? recv + (int64_t)src * H8 : x + (int64_t)(-src - 1) * H8;
     for (int64_t c = lane; c < H8; c += 32)
       xg[r * H8 + c] = src >= 0 ? tp_ld_peer_v4(from + c) : tp_ld_input_v4(from + c);
+    if (p.xg2) {  // the backward's dy rows, from recv_x2 or dy
+      const uint4 *from2 = src >= 0 ? recv2 + (int64_t)src * H8 : x2 + (int64_t)(-src - 1) * H8;
+      for (int64_t c = lane; c < H8; c += 32)
+        xg2[r * H8 + c] = src >= 0 ? tp_ld_peer_v4(from2 + c) : tp_ld_input_v4(from2 + c);
+    }
   }
 }
 
@@ -145,6 +191,8 @@ __device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const 
     for (int64_t k = 0; k < K; k++) {
       const int32_t row = tp_ld_peer_i32(meta + 1 + k);
       if (row < 0) continue;
+      if (p.row_val && lane == 0)  // the backward's router-weight gradient of the row
+        ((float *)(p.peer[s] + p.win.comb_w))[(int64_t)t * K + k] = p.row_val[row];
       const char *src = (const char *)p.yk + (int64_t)row * H * 2;
       char *dst = dst_tok + k * H * 2;
       for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
@@ -197,6 +245,14 @@ __global__ void __launch_bounds__(EP_THREADS)
        t += warps) {
     const float4 *ys_t = p.ys ? (const float4 *)(p.ys + t * p.H) : NULL;
     uint4 *y_t = (uint4 *)p.y + t * H8;
+    if (p.dtopk_w)  // the backward: each slot's router-weight gradient, 0 for an empty slot
+      for (int64_t k = lane; k < K; k += 32) {
+        const int32_t row = p.lay.slot_row[t * K + k];
+        p.dtopk_w[t * K + k] = row < 0 ? 0.0f
+                               : p.topk_idx[t * K + k] / p.EL == p.rank
+                                   ? __ldcg(p.row_val + row)
+                                   : __ldcg((const float *)(p.peer[p.rank] + p.win.comb_w) + t * K + k);
+      }
     for (int64_t c = lane; c < H8; c += 32) {
       float acc[8];
       rl_load_ys(ys_t, c, true, acc);
@@ -213,6 +269,22 @@ __global__ void __launch_bounds__(EP_THREADS)
   }
 }
 
+// dst[r] = bf16(src[r]) for the rows [0, offsets[EL]), 4 columns per thread.
+__global__ void __launch_bounds__(EP_THREADS)
+    ep_round_rows_kernel(const float4 *src, uint2 *dst, const int32_t *offsets, int64_t EL,
+                         int64_t H4) {
+  const int64_t n = (int64_t)offsets[EL] * H4;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const float4 v = src[i];
+    uint2 out;
+    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
+    o[0] = __floats2bfloat162_rn(v.x, v.y);
+    o[1] = __floats2bfloat162_rn(v.z, v.w);
+    dst[i] = out;
+  }
+}
+
 static mokResult_t ep_launched(void) {
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
@@ -223,12 +295,24 @@ static int ep_blocks(int64_t work_per_block, int64_t work) {
   return (int)(b < 1 ? 1 : b > 1024 ? 1024 : b);
 }
 
+extern "C" mokResult_t mok_ep_round_rows_launch(const float *src, void *dst,
+                                                const int32_t *offsets, int64_t EL, int64_t R,
+                                                int64_t H, void *stream) {
+  if (!src || !dst || !offsets) return MOK_ERROR_NULL_POINTER;
+  if (H % 4) return MOK_ERROR_INVALID_SHAPE;
+  ep_round_rows_kernel<<<ep_blocks(EP_THREADS, R * (H / 4)), EP_THREADS, 0,
+                         (cudaStream_t)stream>>>((const float4 *)src, (uint2 *)dst, offsets, EL,
+                                                 H / 4);
+  return ep_launched();
+}
+
 extern "C" mokResult_t mok_ep_preload(void) {
   cudaFuncAttributes a;
   const cudaError_t e[] = {cudaFuncGetAttributes(&a, ep_prep_kernel),
                            cudaFuncGetAttributes(&a, ep_gather_kernel),
                            cudaFuncGetAttributes(&a, ep_combine_kernel),
-                           cudaFuncGetAttributes(&a, ep_reduce_kernel)};
+                           cudaFuncGetAttributes(&a, ep_reduce_kernel),
+                           cudaFuncGetAttributes(&a, ep_round_rows_kernel)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();

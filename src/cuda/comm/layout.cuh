@@ -23,7 +23,8 @@
  * word; the slot then counts as empty, and the all-gathered status makes every rank mark the
  * layout invalid, so no rank moves data but every rank still signals: nobody hangs.
  *
- * Slot header ints after the E + W counts: T, T_max, CTAs of the run kernel, status (1 = valid).
+ * Slot header ints after the E + W counts: T, T_max, CTAs of the run kernel, status (1 = valid,
+ * LAYOUT_BAD_*).
  */
 #ifndef MOK_CUDA_LAYOUT_DEVICE_CUH
 #define MOK_CUDA_LAYOUT_DEVICE_CUH
@@ -35,6 +36,9 @@
 #define LAYOUT_THREADS 512
 #define LAYOUT_WARPS (LAYOUT_THREADS / 32)
 #define LAYOUT_HEADER_INTS 4
+// A source's status in its slot header: 1 valid, else why not.
+#define LAYOUT_BAD_ROUTING 0
+#define LAYOUT_BAD_CONTEXT 2  // a layer's backward: that rank's context did not match its call
 
 static_assert(LAYOUT_THREADS % 32 == 0, "whole warps");
 
@@ -133,6 +137,7 @@ __device__ __forceinline__ void layout_run(const mok_tp_params_t &p, int32_t *sm
   __shared__ int32_t s_valid;
 
   const int ok = layout_local_ranks(p, mask, pre, running);
+  const int local_ok = !p.local_ok || *p.local_ok == 1;
 
   // 2. All-gather: our totals and header into slot [parity][me] of every rank, then the flags.
   const uint64_t parity = p.layout_epoch & 1;
@@ -144,7 +149,7 @@ __device__ __forceinline__ void layout_run(const mok_tp_params_t &p, int32_t *sm
       else if (i == B) v = (int32_t)p.T;
       else if (i == B + 1) v = (int32_t)p.T_max;
       else if (i == B + 2) v = p.num_ctas;
-      else if (i == B + 3) v = ok;
+      else if (i == B + 3) v = !ok ? LAYOUT_BAD_ROUTING : local_ok ? 1 : LAYOUT_BAD_CONTEXT;
       dst[i] = v;
     }
   }

@@ -101,6 +101,7 @@ int mok_gw_fault_take(mok_kernel_fault_t *out);
  * and a load may wait for kernels already running: with virtual ranks those spin on ranks whose
  * calls come later from the same thread). */
 mokResult_t mok_gg_preload(void);
+mokResult_t mok_gw_preload(void); /* the weight-gradient GEMM's kernels */
 
 /* Parameters of a bf16 grouped GEMM with the given epilogue and B layout, every other field zero
  * (pointers, int32 offsets, one CTA per SM): the callers fill in their tensors. */

@@ -263,4 +263,18 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
 }
 
+extern "C" mokResult_t mok_gw_preload(void) {
+  cudaFuncAttributes a;
+  const cudaError_t e[] = {
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_BF16, GW_STAGES_STAGED, 1>),
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_F32, GW_STAGES_STAGED, 1>),
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_ACCUM_F32, GW_STAGES_DIRECT, 0>)};
+  for (cudaError_t x : e)
+    if (x != cudaSuccess) {
+      cudaGetLastError();
+      return MOK_ERROR_CUDA;
+    }
+  return MOK_SUCCESS;
+}
+
 extern "C" int mok_gw_fault_take(mok_kernel_fault_t *out) { return ptx_fault_take(out); }
