@@ -131,6 +131,14 @@ mokResult_t mok_get_unique_id(mok_unique_id_t *id);
 mokResult_t mok_comm_create_unique_id(mok_comm_t *out, const mok_unique_id_t *id, int rank,
                                       int nranks, int device);
 
+/* W "virtual" ranks on one GPU: out[r] is rank r of W, all on `device`, and a layer created on
+ * each of them is a W-rank expert-parallel layer whose peers are buffers on the same GPU, through
+ * the same kernels, counters and transport as W GPUs (no NCCL). For testing expert-parallel code
+ * without W GPUs. Each rank's calls must go to its own stream (its kernels wait for the other
+ * ranks'); one thread may drive all ranks, since no call waits for another rank on the host.
+ * Layers are created collectively: every rank creates its layers in the same order. */
+mokResult_t mok_comm_create_virtual(mok_comm_t out[], int nranks, int device);
+
 /* Fails with MOK_ERROR_INVALID_VALUE, leaving the communicator intact, while layers created on it
  * are alive (the message says how many): destroy them first. */
 mokResult_t mok_comm_destroy(mok_comm_t comm);

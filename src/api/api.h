@@ -40,7 +40,7 @@ struct mok_comm {
 
 /* Virtual ranks: W communicators on one GPU whose "peers" are buffers on the same device, so that
  * expert parallelism runs through the same kernels and peer-pointer transport without a second GPU
- * (tests and benchmarks; src/api/internal.h). A window is collective: the n-th window any rank of
+ * (include/mok.h, mok_comm_create_virtual). A window is collective: the n-th window any rank of
  * the group asks for allocates the n-th buffer of every rank at once (zeroed), so ranks driven from
  * one thread never wait for each other; each rank takes its own, and the last rank to give its
  * buffer back frees all W. */

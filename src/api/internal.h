@@ -18,12 +18,6 @@ mokResult_t mok_layer_tuning(mok_layer_t layer, mok_tuning_t *out);
 /* Replaces them (checked by mok_tuning_check); later calls on the layer use them. */
 mokResult_t mok_layer_set_tuning(mok_layer_t layer, const mok_tuning_t *t);
 
-/* W virtual ranks on one GPU (src/api/api.h, "Virtual ranks"): out[r] is rank r of W, every one
- * on `device`. A layer on each of them is a W-rank expert-parallel layer whose peers are buffers
- * on the same GPU: the kernels, counters and transport are those of W GPUs. The ranks' calls go
- * to different streams (each rank's kernels wait for the others'); one thread may drive them all,
- * since no call blocks on another rank. Destroy each with mok_comm_destroy. */
-mokResult_t mok_comm_create_virtual(mok_comm_t out[], int nranks, int device);
 
 #ifdef __cplusplus
 }

@@ -8,7 +8,8 @@
  *                  routing), its all-gathered status valid only where every rank's context
  *                  matched: a mismatch on one rank makes every rank compute nothing
  *   prep           the verdict, the local layout, the own rows' router weights
- *   dispatch       x and dy of each token to the ranks of its experts, once per rank
+ *   dispatch       x, then dy, of each token to the ranks of its experts, once per rank each
+ *                  (two launches: one kernel sending both rows spilled registers)
  *   gather         xg, dyg: the rows of this rank's experts
  *   local chain    RECOMPUTE: gate/up -> g, u; ds = dyg · Wd; SwiGLU backward -> a, dg, du and
  *                  the rows' router-weight gradients; dxk = dg · Wg + du · Wu (fp32); the shared
@@ -87,11 +88,16 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   EP_FILL(p);
   if ((r = mok_ep_prep_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_backward: the expert-parallel prep kernel failed to launch");
-  if ((r = mok_transport_params(gl->tp, MOK_TP_DISPATCH, stream, &p)) != MOK_SUCCESS)
-    return mok_gpu_launcher_failed(l, r);
-  EP_FILL(p);
-  if ((r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
-    return mok_fail(l, r, "mok_backward: the dispatch kernel failed to launch");
+  for (int pass = 0; pass < 2; pass++) { /* x into recv_x, then dy into recv_x2 */
+    if ((r = mok_transport_params(gl->tp, MOK_TP_DISPATCH, stream, &p)) != MOK_SUCCESS)
+      return mok_gpu_launcher_failed(l, r);
+    EP_FILL(p);
+    p.x = pass ? gr->dy : a->x;
+    p.recv_x2 = pass;
+    if ((r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
+      return mok_fail(l, r, "mok_backward: the dispatch kernel failed to launch");
+  }
+  p.x = a->x, p.recv_x2 = 0;
   if ((r = mok_ep_gather_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_backward: the expert-parallel gather failed to launch");
 

@@ -1,6 +1,6 @@
 /*
  * virtual_ranks.c: W virtual ranks on one GPU (src/api/api.h, "Virtual ranks";
- * mok_comm_create_virtual in src/api/internal.h). A group is W communicators on one device and a
+ * mok_comm_create_virtual in include/mok.h). A group is W communicators on one device and a
  * list of collective windows: the n-th window request of any rank allocates the n-th buffer of
  * every rank (so one thread can create the ranks' layers one after another), and each rank's peer
  * table is the W buffers. Requests of the same rank are numbered by that rank's count

@@ -1,6 +1,6 @@
 /*
  * test_ep.cu: expert parallelism inside the layer, on ONE GPU: W = 2 and W = 4 virtual ranks
- * (mok_comm_create_virtual, src/api/internal.h) whose peers are buffers on the same device, each
+ * (mok_comm_create_virtual, include/mok.h) whose peers are buffers on the same device, each
  * rank's calls on its own stream, all enqueued from this thread. The kernels, the counters and
  * the transport are those of W GPUs.
  *

@@ -204,7 +204,8 @@ typedef struct {
   const float *ys;            /* [T, H] fp32 shared-expert output, or NULL */
   /* ... and their backward (x, xg: the tokens' x; x2, xg2: their dy; y, yk, ys: dx, the rows'
    * bf16 dxk, the shared expert's fp32 dxs): */
-  const void *x2;             /* [T, H] bf16 dy: dispatch sends it beside x, into recv_x2 */
+  const void *x2;             /* [T, H] bf16 dy (gather: its rows from recv_x2 or here) */
+  int recv_x2;                /* dispatch: x's rows go to recv_x2 (the backward's dy) */
   void *xg2;                  /* [R, H] bf16 dy rows of this rank's experts (gather) */
   const float *row_val;       /* [R] router-weight gradient of each row: combine sends it home */
   float *dtopk_w;             /* [T, K] (reduce), or NULL in the forward */

@@ -244,6 +244,7 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
   const int W = p.nranks;
   const int64_t K = p.K, H = p.H, chunks = H / 8;  // 16-byte chunks per row
   const int64_t meta_ints = K + 1;
+  const size_t recv = p.recv_x2 ? p.win.recv_x2 : p.win.recv_x;  // a layer's backward: dy
   uint32_t *claim = p.lay.claim + TP_CLAIM_DISPATCH + (p.disp_epoch & 1);
   for (int64_t nx = tp_claim(claim, lane), t = __shfl_sync(0xffffffffu, nx, 0); t < p.T;
        t = __shfl_sync(0xffffffffu, nx, 0)) {
@@ -258,10 +259,7 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
     }
     const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dmask == 0) continue;
-    // A layer's backward sends two rows per token (x, then dy into recv_x2).
-    for (int pass = 0; pass < (p.x2 ? 2 : 1); pass++) {
-    const char *src = (const char *)(pass ? p.x2 : p.x) + t * H * 2;
-    const size_t region = pass ? p.win.recv_x2 : p.win.recv_x;
+    const char *src = (const char *)p.x + t * H * 2;
     for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
       uint4 v[TP_UNROLL];
 #pragma unroll
@@ -269,7 +267,7 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
         const int64_t c = c0 + u * 32 + lane;
         if (c < chunks) v[u] = tp_ld_input_v4(src + c * 16);
       }
-      if (c0 == 0 && pass == 0) {
+      if (c0 == 0) {
         // Meta (K + 1 ints per rank: the token, then its slots' rows on that rank or -1) while
         // the row's loads are on their way.
         for (uint32_t m = dmask; m; m &= m - 1) {
@@ -293,14 +291,13 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
-        char *dst = p.peer[d] + region + (int64_t)pd * H * 2;
+        char *dst = p.peer[d] + recv + (int64_t)pd * H * 2;
 #pragma unroll
         for (int u = 0; u < TP_UNROLL; u++) {
           const int64_t c = c0 + u * 32 + lane;
           if (c < chunks) tp_st_v4(dst + c * 16, v[u]);
         }
       }
-    }
     }
   }
 }
