@@ -38,7 +38,6 @@ struct mok_transport {
   void *dev;             /* layout buffers and the error word, one allocation */
   mok_tp_layout_buf_t lay;
   mok_tp_error_t *err;
-  uint64_t layout_epoch, disp_epoch, comb_epoch;
   int64_t T;             /* tokens of the last layout, -1 before the first */
   const int32_t *topk_idx;
   void *last_stream;
@@ -185,8 +184,8 @@ mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
   /* Layout buffers and the error word. */
   {
     const int64_t T = t->d.max_tokens, K = t->d.top_k, E = t->d.num_experts, W = t->W;
-    const int64_t ints = T * K + T * W + W * E + W * W + E + 4 * W + 1 + 4;
-    const size_t err_off = tp_align((size_t)ints * 4);
+    const int64_t ints = T * K + T * W + W * E + W * W + E + 4 * W + 1 + 4 + 4;
+    const size_t epoch_off = tp_align((size_t)ints * 4), err_off = epoch_off + 256;
     TP_CUDA_GOTO(cudaMalloc(&t->dev, err_off + sizeof(mok_tp_error_t)), res, fail);
     TP_CUDA_GOTO(cudaMemset(t->dev, 0, err_off + sizeof(mok_tp_error_t)), res, fail);
     int32_t *p = t->dev;
@@ -200,6 +199,8 @@ mokResult_t mok_transport_create(mok_transport_t *out, mok_comm_t comm,
     t->lay.num_ctas = p, p += W;
     t->lay.valid = p, p += 1;
     t->lay.claim = (uint32_t *)p, p += 4;
+    t->lay.epoch_done = (uint32_t *)p, p += 4;
+    t->lay.epoch = (uint64_t *)((char *)t->dev + epoch_off);
     t->err = (mok_tp_error_t *)((char *)t->dev + err_off);
   }
 
@@ -261,9 +262,6 @@ static void tp_params(const mok_transport_t t, mok_tp_params_t *p) {
   p->EL = t->d.num_experts / t->W;
   p->K = t->d.top_k;
   p->tile_m = t->d.tile_m;
-  p->layout_epoch = t->layout_epoch;
-  p->disp_epoch = t->disp_epoch;
-  p->comb_epoch = t->comb_epoch;
   p->timeout_ns = t->timeout_ns;
   for (int r = 0; r < t->W; r++) p->peer[r] = (char *)t->win.peer[r];
   p->win = t->wl;
@@ -304,7 +302,6 @@ mokResult_t mok_transport_layout_checked(mok_transport_t t, int64_t num_tokens,
   if ((res = tp_enter(t, &prev)) != MOK_SUCCESS) return res;
   t->T = num_tokens;
   t->topk_idx = topk_idx;
-  t->layout_epoch++;
   mok_tp_params_t p;
   tp_params(t, &p);
   p.local_ok = local_ok;
@@ -320,8 +317,6 @@ mokResult_t mok_transport_params(mok_transport_t t, int phases, void *stream, mo
   if (res != MOK_SUCCESS) return res;
   if (t->T < 0)
     return mok_fail(NULL, MOK_ERROR_INTERNAL, "mok_transport_params: no layout yet");
-  if (phases & MOK_TP_DISPATCH) t->disp_epoch++;
-  if (phases & MOK_TP_COMBINE) t->comb_epoch++;
   tp_params(t, p);
   p->phases = phases;
   t->last_stream = stream;
@@ -355,8 +350,6 @@ mokResult_t mok_transport_run(mok_transport_t t, int phases, const void *x, void
   if ((phases & MOK_TP_REDUCE) && (res = tp_check_rows(t, y, "y")) != MOK_SUCCESS) return res;
   int prev = 0;
   if ((res = tp_enter(t, &prev)) != MOK_SUCCESS) return res;
-  if (phases & MOK_TP_DISPATCH) t->disp_epoch++;
-  if (phases & MOK_TP_COMBINE) t->comb_epoch++;
   mok_tp_params_t p;
   tp_params(t, &p);
   p.x = x;

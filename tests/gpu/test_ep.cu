@@ -607,3 +607,80 @@ MOK_TEST(ep_backward_context_mismatch_on_one_rank) {
   }
   ep_close(&t);
 }
+
+// Each rank's forward + backward captured in a CUDA graph of its own (as each process of W GPUs
+// would), then replayed with new routing in the same buffers: every replay gives the W = 1 layer's
+// y, dx and routed weight gradients (the call numbers live on the device, so replays count).
+MOK_TEST(ep_cuda_graph_replays_with_new_routing) {
+  NEED_GPU();
+  bwd_problem_t p;
+  ep_bwd_problem(&p, 128, 200, test_route_uniform(0.1));
+  const int64_t T[2] = {120, 80};
+  ep_team_t t;
+  MOK_REQUIRE(ep_open_backward(&t, &p, 2, 128));
+  ep_inputs(&t, &p.f, T);
+  ep_backward_inputs(&t, &p, T);
+  cudaGraphExec_t exec[2] = {NULL, NULL};
+  int captured = 1;
+  for (int r = 0; r < 2 && captured; r++) {
+    cudaGraph_t graph = NULL;
+    captured &= cudaStreamBeginCapture(t.s[r], cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+    mokResult_t res[2], bres[2];
+    // Only rank r's calls go to its capture (the other's are skipped now, enqueued in its turn).
+    ep_forward(&t, T, res, 1 - r);
+    {  // rank r's backward
+      mok_weights_t w;
+      memset(&w, 0, sizeof(w));
+      const size_t ew = (size_t)(t.EL * t.H * t.I);
+      w.wg = t.wg + r * ew, w.wu = t.wu + r * ew, w.wd = t.wd + r * ew;
+      w.wsg = t.wsg, w.wsu = t.wsu, w.wsd = t.wsd;
+      const mok_forward_args_t a = test_forward_args(T[r], t.x[r], t.idx[r], t.tw[r], w);
+      void *dw[6];
+      for (int i = 0; i < 3; i++) dw[i] = (char *)t.dwr[i] + r * ew * t.wgrad_el;
+      for (int i = 0; i < 3; i++) dw[3 + i] = t.dws[r][i];
+      const mok_backward_args_t b = test_backward_args(T[r], t.dy[r], t.dx[r], t.dtw[r], dw, 1);
+      bres[r] = mok_backward(t.l[r], &a, &b, t.ctx[r], t.ctx_bytes, (mok_stream_t)t.s[r]);
+    }
+    const cudaError_t ce = cudaStreamEndCapture(t.s[r], &graph);
+    captured &= res[r] == MOK_SUCCESS && bres[r] == MOK_SUCCESS && ce == cudaSuccess &&
+                cudaGraphInstantiate(&exec[r], graph, 0) == cudaSuccess;
+    if (!captured) printf("    rank %d: capture failed: %s / %s\n", r, mok_last_error(), cudaGetErrorString(ce));
+    if (graph) cudaGraphDestroy(graph);
+  }
+  MOK_REQUIRE(captured);
+  test_rng_t rng = test_rng(0x6a7e9ull);
+  for (int n = 0; n < 4; n++) {
+    test_route_t rt = test_route_uniform(n == 2 ? 0.5 : 0.1);
+    if (n == 1) rt.hot = (int)test_rng_below(&rng, 16);
+    fwd_route(&p.f, rt);
+    bwd_out_t ref;
+    const bwd_problem_t all = ep_slice(&p, 0, T[0] + T[1]);
+    MOK_REQUIRE(ep_w1_backward(&all, &ref));
+    ep_inputs(&t, &p.f, T);
+    ep_backward_inputs(&t, &p, T);
+    for (int i = 0; i < 3; i++) cudaMemset(t.dwr[i], 0xFF, bwd_w_bytes(&p, i));
+    cudaDeviceSynchronize();
+    for (int r = 0; r < 2; r++) MOK_EXPECT(cudaGraphLaunch(exec[r], t.s[r]) == cudaSuccess);
+    mokResult_t chk[2];
+    char msg[2][MOK_ERR_LEN];
+    ep_check(&t, chk, msg);
+    MOK_EXPECT_MSG(chk[0] == MOK_SUCCESS && chk[1] == MOK_SUCCESS, "replay %d: %s / %s", n,
+                   msg[0], msg[1]);
+    const std::vector<uint16_t> yref = ep_reference_y(&p.f, T[0] + T[1]);
+    char what[48];
+    snprintf(what, sizeof(what), "graph replay %d", n);
+    MOK_EXPECT(ep_same_as_w1(&t, yref, T, what));
+    int64_t start = 0;
+    for (int r = 0; r < 2; r++) {
+      bwd_out_t o;
+      ep_backward_outputs(&t, &p, r, T[r], &o);
+      int same = memcmp(o.dx.data(), ref.dx.data() + start * t.H, o.dx.size() * 2) == 0;
+      for (int i = 0; i < 3 && r == 0; i++) same &= o.dw[i] == ref.dw[i];
+      MOK_EXPECT_MSG(same, "replay %d, rank %d: dx or the routed weight gradients differ from W = 1",
+                     n, r);
+      start += T[r];
+    }
+  }
+  for (int r = 0; r < 2; r++) cudaGraphExecDestroy(exec[r]);
+  ep_close(&t);
+}

@@ -174,15 +174,15 @@ typedef struct {
   int32_t *num_ctas;     /* [W] dispatch-and-combine CTAs of each rank (targets of counters) */
   int32_t *valid;        /* [1] 1 when every rank's routing and sizes were valid */
   uint32_t *claim;       /* [4] work-item counters: dispatch, combine, by the call's parity */
+  uint64_t *epoch;       /* [3] calls so far of the layout, dispatch and combine kernels: kept on
+                            the device, so a CUDA graph's replays count as calls */
+  uint32_t *epoch_done;  /* [3] CTAs of the running launch that have finished */
 } mok_tp_layout_buf_t;
 
 typedef struct {
   int rank, nranks;
   int num_ctas;               /* CTAs of the dispatch-and-combine kernel on this rank */
   int64_t T, T_max, H, E, EL, K, tile_m;
-  uint64_t layout_epoch;      /* calls of each kind so far, this one included (1, 2, ...): */
-  uint64_t disp_epoch;        /* counters are never cleared; a wait's target is epoch * CTAs */
-  uint64_t comb_epoch;
   uint64_t timeout_ns;
   char *peer[MOK_MAX_RANKS]; /* window base of each rank, as mapped here */
   mok_tp_window_layout_t win;

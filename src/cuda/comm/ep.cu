@@ -48,7 +48,7 @@ __device__ __forceinline__ int ep_verdict(const mok_tp_params_t &p, int *bad_ran
     // after the E + W counts of its slot, this call's parity).
     const int64_t S = p.win.slot_ints, B = p.E + p.nranks;
     const int32_t *slots =
-        (const int32_t *)(p.peer[p.rank] + p.win.slots) + (p.layout_epoch & 1) * p.nranks * S;
+        (const int32_t *)(p.peer[p.rank] + p.win.slots) + (tp_layout_epoch(p) & 1) * p.nranks * S;
     for (int s = 0; s < p.nranks && *bad_rank < 0; s++) {
       const int32_t code = tp_ld_peer_i32(slots + s * S + B + 3);
       if (code != 1) *bad_rank = s, *bad_code = code;
@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(EP_THREADS)
 // and each of its slots k on this rank's experts (row >= 0 in its meta): yk[row] -> comb[t, k] in
 // s's window. Rows of this rank's own tokens stay (the reduce reads them in yk). A warp per
 // received token, claimed from the transport's combine counter.
-__device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const int32_t *src_start) {
+__device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
+                                                uint64_t epoch) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;
   const int64_t K = p.K, H = p.H, chunks = H / 8;
@@ -178,7 +179,7 @@ __device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const 
   const int32_t *meta_all = (const int32_t *)(my_win + p.win.recv_meta);
   const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
   const int64_t items = src_start[W] - (own1 - own0);
-  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (p.comb_epoch & 1);
+  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (epoch & 1);
   for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
        i = __shfl_sync(0xffffffffu, nx, 0)) {
     nx = tp_claim(claim, lane);
@@ -215,7 +216,8 @@ __device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const 
 __global__ void __launch_bounds__(TP_THREADS, 1)
     ep_combine_kernel(const __grid_constant__ mok_tp_params_t p) {
   __shared__ int32_t src_start[MOK_MAX_RANKS + 1];
-  tp_claims_reset_next(p, TP_CLAIM_COMBINE, p.comb_epoch);
+  const uint64_t epoch = tp_epoch_begin(p, TP_EPOCH_COMBINE);
+  tp_claims_reset_next(p, TP_CLAIM_COMBINE, epoch);
   if (threadIdx.x == 0) {
     int32_t acc = 0;
     for (int s = 0; s < p.nranks; s++) {
@@ -225,10 +227,11 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
     src_start[p.nranks] = acc;
   }
   __syncthreads();
-  if (*p.status) ep_combine_send(p, src_start);
+  if (*p.status) ep_combine_send(p, src_start, epoch);
   tp_cta_signal_ranks(p, p.win.comb_ctr);
   const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.comb_ctr);
-  tp_cta_wait_ranks(ctr, p.comb_epoch, p, MOK_TP_WAIT_COMBINE);
+  tp_cta_wait_ranks(ctr, epoch, p, MOK_TP_WAIT_COMBINE);
+  tp_epoch_end(p, TP_EPOCH_COMBINE, epoch);
 }
 
 // y[t] = bf16(ys[t] + yk(t, 0) + ... + yk(t, K-1)): rows.cuh's additions in slot order, each

@@ -140,7 +140,7 @@ __device__ __forceinline__ void layout_run(const mok_tp_params_t &p, int32_t *sm
   const int local_ok = !p.local_ok || *p.local_ok == 1;
 
   // 2. All-gather: our totals and header into slot [parity][me] of every rank, then the flags.
-  const uint64_t parity = p.layout_epoch & 1;
+  const uint64_t epoch = tp_epoch_begin(p, TP_EPOCH_LAYOUT), parity = epoch & 1;
   for (int d = 0; d < W; d++) {
     int32_t *dst = (int32_t *)(p.peer[d] + p.win.slots) + (parity * W + me) * S;
     for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
@@ -157,12 +157,12 @@ __device__ __forceinline__ void layout_run(const mok_tp_params_t &p, int32_t *sm
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int d = 0; d < W; d++)
-      ptx_st_release_sys_u64((uint64_t *)(p.peer[d] + p.win.flags) + parity * W + me, p.layout_epoch);
+      ptx_st_release_sys_u64((uint64_t *)(p.peer[d] + p.win.flags) + parity * W + me, epoch);
   }
   int arrived = 1;
   if (threadIdx.x < (unsigned)W) {
     const uint64_t *flag = (const uint64_t *)(p.peer[me] + p.win.flags) + parity * W + threadIdx.x;
-    arrived = tp_wait_geq(flag, p.layout_epoch, p, MOK_TP_WAIT_LAYOUT, threadIdx.x);
+    arrived = tp_wait_geq(flag, epoch, p, MOK_TP_WAIT_LAYOUT, threadIdx.x);
   }
   arrived = __syncthreads_and(arrived);
 
@@ -230,6 +230,7 @@ __device__ __forceinline__ void layout_run(const mok_tp_params_t &p, int32_t *sm
       if (q >= 0) p.lay.token_pos[t * W + d] = valid ? q + base[E + d] : -1;
     }
   }
+  tp_epoch_end(p, TP_EPOCH_LAYOUT, epoch);
 }
 
 #endif /* MOK_CUDA_LAYOUT_DEVICE_CUH */

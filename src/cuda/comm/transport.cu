@@ -48,7 +48,7 @@ __device__ __forceinline__ float tp_expert_scale(int e) { return (float)(e % 4 +
 // rank's segment starts (shared memory, filled by the caller). Needs the dispatch counters
 // waited for.
 __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
-                                                const int32_t *estart) {
+                                                const int32_t *estart, uint64_t epoch) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;
   const int64_t K = p.K, H = p.H, chunks = H / 8;
@@ -57,7 +57,7 @@ __device__ __forceinline__ void tp_combine_send(const mok_tp_params_t &p, const 
   // The other sources' positions: [0, own0) and [own1, end).
   const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
   const int64_t items = src_start[W] - (own1 - own0);
-  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (p.comb_epoch & 1);
+  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (epoch & 1);
   for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
        i = __shfl_sync(0xffffffffu, nx, 0)) {
     nx = tp_claim(claim, lane);
@@ -185,16 +185,20 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
   __shared__ const char *warp_slots[TP_THREADS / 32 * 64];  // [warps, K] (K <= 64)
   __shared__ float warp_scales[TP_THREADS / 32 * 64];
 
+  const int disp = p.phases & MOK_TP_DISPATCH, comb = p.phases & MOK_TP_COMBINE;
+  const uint64_t disp_epoch = disp ? tp_epoch_begin(p, TP_EPOCH_DISPATCH) : 0;
+  const uint64_t comb_epoch = comb ? tp_epoch_begin(p, TP_EPOCH_COMBINE) : 0;
   // First, before any wait can fail: the next call's work-item counters.
-  if (p.phases & MOK_TP_DISPATCH) tp_claims_reset_next(p, TP_CLAIM_DISPATCH, p.disp_epoch);
-  if (p.phases & MOK_TP_COMBINE) tp_claims_reset_next(p, TP_CLAIM_COMBINE, p.comb_epoch);
-  if (p.phases & MOK_TP_DISPATCH) {
-    tp_dispatch_send(p);
+  if (disp) tp_claims_reset_next(p, TP_CLAIM_DISPATCH, disp_epoch);
+  if (comb) tp_claims_reset_next(p, TP_CLAIM_COMBINE, comb_epoch);
+  int ok = 1;
+  if (disp) {
+    tp_dispatch_send(p, disp_epoch);
     tp_cta_signal_ranks(p, p.win.disp_ctr);
     const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.disp_ctr);
-    if (!tp_cta_wait_ranks(ctr, p.disp_epoch, p, MOK_TP_WAIT_DISPATCH)) return;
+    ok = tp_cta_wait_ranks(ctr, disp_epoch, p, MOK_TP_WAIT_DISPATCH);
   }
-  if (p.phases & MOK_TP_COMBINE) {
+  if (comb && ok) {
     if (threadIdx.x == 0) {
       int32_t acc = 0;
       for (int s = 0; s < p.nranks; s++) {
@@ -206,14 +210,18 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
     for (int64_t e = threadIdx.x; e < p.EL; e += blockDim.x)
       estart[e] = p.lay.expert_start[p.rank * p.EL + e];
     __syncthreads();
-    tp_combine_send(p, src_start, estart);
+    tp_combine_send(p, src_start, estart, comb_epoch);
     tp_cta_signal_ranks(p, p.win.comb_ctr);
     const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.comb_ctr);
-    if (!tp_cta_wait_ranks(ctr, p.comb_epoch, p, MOK_TP_WAIT_COMBINE)) return;
+    ok = tp_cta_wait_ranks(ctr, comb_epoch, p, MOK_TP_WAIT_COMBINE);
   }
   // The sum reads only this rank's comb, complete once every CTA passed the combine wait (in
   // this launch, or in an earlier one on the same stream).
-  if (p.phases & MOK_TP_REDUCE) tp_combine_reduce(p, warp_slots, warp_scales);
+  if ((p.phases & MOK_TP_REDUCE) && ok) tp_combine_reduce(p, warp_slots, warp_scales);
+  // NOTE: a failed wait skips the rest but not the call counts: every rank's counts stay in step
+  // with the calls made (the timeout has left the transport unusable anyway).
+  if (disp) tp_epoch_end(p, TP_EPOCH_DISPATCH, disp_epoch);
+  if (comb) tp_epoch_end(p, TP_EPOCH_COMBINE, comb_epoch);
 }
 
 static mokResult_t tp_cuda(cudaError_t e) {

@@ -11,8 +11,10 @@
  * nccl_window.cu) and our own counters; no NCCL device code.
  *
  * Counters never get cleared. Each CTA of a sender adds 1 to a counter per call, so after call
- * number `epoch` the receiver waits for epoch * (sender's CTAs); the host counts calls. (The
- * work-item counters, in ordinary device memory, are zeroed one call ahead: tp_claim.)
+ * number `epoch` the receiver waits for epoch * (sender's CTAs). The calls are counted on the
+ * device (tp_epoch_begin / tp_epoch_end), so a call captured in a CUDA graph counts at every
+ * replay. (The work-item counters, in ordinary device memory, are zeroed one call ahead:
+ * tp_claim.)
  *
  * Window regions (mok_tp_window_layout_t, same offsets on every rank):
  *   disp_ctr  [W] u64             dispatch counters, by source rank
@@ -97,6 +99,37 @@ __device__ __forceinline__ void tp_st_v4(void *p, uint4 v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
                : "memory");
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Call numbers (epochs)                                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+
+enum { TP_EPOCH_LAYOUT = 0, TP_EPOCH_DISPATCH = 1, TP_EPOCH_COMBINE = 2 };
+
+// The call number of this launch for its kind: one more than the calls before it. Every CTA reads
+// the same value: only the last CTA of the launch to finish advances it (tp_epoch_end), after
+// every CTA has read it.
+__device__ __forceinline__ uint64_t tp_epoch_begin(const mok_tp_params_t &p, int kind) {
+  return *(volatile uint64_t *)&p.lay.epoch[kind] + 1;
+}
+
+// The end of every CTA of a launch that began call `e` of `kind` (all threads): the last CTA to
+// get here makes e the kind's count, which the next launch on the stream reads.
+__device__ __forceinline__ void tp_epoch_end(const mok_tp_params_t &p, int kind, uint64_t e) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&p.lay.epoch_done[kind], 1u) == gridDim.x - 1) {
+      p.lay.epoch_done[kind] = 0;
+      *(volatile uint64_t *)&p.lay.epoch[kind] = e;
+    }
+  }
+}
+
+// The current layout call's number, after its layout kernel (the all-gathered slots' parity).
+__device__ __forceinline__ uint64_t tp_layout_epoch(const mok_tp_params_t &p) {
+  return *(volatile uint64_t *)&p.lay.epoch[TP_EPOCH_LAYOUT];
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -239,13 +272,13 @@ __device__ __forceinline__ void tp_put_row_map(const mok_tp_params_t &p, int d, 
 // persistent kernel) the GEMMs read them, and its block of recv_x stays unwritten. A warp per
 // token (whole rows: splitting rows into 2 KB items dealt to different warps was slower;
 // docs/performance.md, "Transport: push, pull and local rows").
-__device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p) {
+__device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint64_t epoch) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;
   const int64_t K = p.K, H = p.H, chunks = H / 8;  // 16-byte chunks per row
   const int64_t meta_ints = K + 1;
   const size_t recv = p.recv_x2 ? p.win.recv_x2 : p.win.recv_x;  // a layer's backward: dy
-  uint32_t *claim = p.lay.claim + TP_CLAIM_DISPATCH + (p.disp_epoch & 1);
+  uint32_t *claim = p.lay.claim + TP_CLAIM_DISPATCH + (epoch & 1);
   for (int64_t nx = tp_claim(claim, lane), t = __shfl_sync(0xffffffffu, nx, 0); t < p.T;
        t = __shfl_sync(0xffffffffu, nx, 0)) {
     nx = tp_claim(claim, lane);
