@@ -158,7 +158,7 @@ static int bwd_compare(const char *what, const char *name, const std::vector<dou
                        int64_t cols) {
   const int64_t n = (int64_t)ref.size();
   const test_tol_t t = test_tol_rms(ref.data(), start ? start->data() : NULL, n);
-  return test_compare_report(what, name, gpu.data(), ref.data(), n, cols, t);
+  return test_compare_report(what, name, gpu.data(), ref.data(), NULL, n, cols, t);
 }
 
 static std::vector<double> bwd_w_values(const bwd_problem_t *p, const std::vector<uint8_t> &b) {
