@@ -5,8 +5,8 @@
  * everywhere (the triangle inequality), and with every input positive (nothing cancels) |output|
  * = M, which pins the model's terms to the reference's formulas and layouts. To rounding noise
  * of fp64 only (2^-40 relative). The normal mode's bf16 roundings are left out on purpose: the
- * GPU and CPU layers share them up to one-ulp flips, which is what M bounds. And the bound of
- * compare.h with magnitudes still fails a NaN, and is today's where M <= |ref|.
+ * GPU and CPU layers share them up to one-ulp flips, which is what M bounds. And compare.h's
+ * bound widens with M in its two forms, is today's for M = 0, and still fails a NaN.
  */
 #include <math.h>
 #include <stdio.h>
@@ -142,7 +142,7 @@ static int mag_within(double got, double ref, double mag, int fp32) {
 
 /* compare.h's bound with magnitudes: a large M admits a large difference, but never a NaN; M = 0
  * gives today's bound atol + rtol |ref| in both forms. */
-MOK_TEST(magnitude_bound_still_fails_nan) {
+MOK_TEST(magnitude_bound_widens_but_fails_nan) {
   /* bf16 results: atol + rtol (|ref| + M) = 2^-10 + 2^-7 (0.5 + 1) = 0.01270 */
   MOK_EXPECT(mag_within(0.5 + 0.0126, 0.5, 1.0, 0) && !mag_within(0.5 + 0.0128, 0.5, 1.0, 0));
   /* fp32 results: atol + rtol max(|ref|, M) = 2^-10 + 2^-7 1 = 0.00879 */

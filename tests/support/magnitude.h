@@ -18,7 +18,7 @@
  *   g = Wg x, u = Wu x, s = silu(g) u, a = w s, ds = Wdᵀ dy, da = w ds,
  *   dg = da u silu'(g), du = da silu(g).
  * Nothing is rounded: M is a magnitude, not a reference value (the layer's bf16 g, u, a, ... are
- * within 2^-8 of these), and it never includes a starting weight gradient (the same on both
+ * within about 2^-8 of these), and it never includes a starting weight gradient (the same on both
  * sides). The sums inside yk and dxk are not expanded: a flip of one a, dg or du moves them by
  * one term's 2^-7, which atol covers; a flip of yk or dxk itself is 2^-7 |yk| or |dxk|. An empty
  * slot (id < 0) adds nothing; a row the layer would drop at capacity is counted all the same (M
