@@ -179,7 +179,7 @@ class Layer:
         return self._size(self._lib.mok_context_size)
 
     def workspace_bytes(self):
-        """Device memory the layer holds for its lifetime (0 on the CPU, which allocates per call)."""
+        """Device memory the layer holds for its lifetime (0 on the CPU: it allocates per call)."""
         return self._size(self._lib.mok_layer_workspace_size)
 
     def quantized_weights_bytes(self):
