@@ -23,10 +23,11 @@ _check.py) against the layer, and a bad argument raises mok.MokError naming it, 
     non-contiguous x, topk_idx, topk_w (and the dy of backward): a contiguous copy.
 Parameters are bf16 in PyTorch Linear layout: wg, wu [EL, I, H], wd [EL, H, I] (EL = E / W; E
 for W = 1: see MoE, "Expert parallelism"), and with a shared expert wsg, wsu [Is, H], wsd
-[H, Is]. After moe.float(), .half() or .double() they are rounded to bf16 for each call (a copy per forward; the layer computes in bf16), never reinterpreted, and
-their gradients (fp32 from the library) come back in the parameters' dtype, so fp32 master weights
-get the fp32 gradient itself. Parameters must stay on the layer's device: moe.to(another device)
-makes forward raise WRONG_DEVICE. fp8 layers quantize the weights at every forward.
+[H, Is]. After moe.float(), .half() or .double() they are rounded to bf16 for each call (a copy
+per forward; the layer computes in bf16), never reinterpreted, and their gradients (fp32 from the
+library) come back in the parameters' dtype, so fp32 master weights get the fp32 gradient itself.
+Parameters must stay on the layer's device: moe.to(another device) makes forward raise
+WRONG_DEVICE. fp8 layers quantize the weights at every forward.
 The ops take the layer as an int (MoE.layer_id) and the parameters as they are; backward rounds
 non-bf16 parameters to bf16 again (a second copy) rather than keep the forward's copies.
 """
