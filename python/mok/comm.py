@@ -10,7 +10,9 @@ global experts [r EL, (r + 1) EL). The constructors, one per C constructor:
 
 A communicator must outlive its layers: a mok.Layer keeps a reference to the Comm it was created
 on, and close() raises MokError (INVALID_VALUE, the C library's message) while layers created on
-it are alive. Expert-parallel rules (include/mok.h): every rank creates its layers in the same
+it are alive. Destroying an NCCL communicator is collective: close its layers, then it, on every
+rank at the same point (garbage collection at different times on different ranks may wait for
+the others). Expert-parallel rules (include/mok.h): every rank creates its layers in the same
 order, and every rank calls forward (and backward) of each layer at every step, in the same
 order, with its own number of tokens (0 is fine). Virtual ranks are driven by one thread, each
 rank's calls on its own CUDA stream: its kernels wait for the other ranks', and no call blocks
