@@ -139,6 +139,7 @@ run: $(BUILD)/mok_run
 bench: all
 	NCCL_NVLS_ENABLE=0 python3 bench/gemm.py
 	python3 bench/forward.py
+	python3 bench/ep.py
 	@if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then NCCL_NVLS_ENABLE=0 python3 bench/transport.py; \
 	else echo "SKIP transport benchmark: needs 2 GPUs"; fi
 

@@ -10,8 +10,13 @@ Two levels:
 
 Devices: "cpu" runs the plain-C reference backend; "cuda:N" (or "cuda", the current device
 torch.cuda.current_device()) the GPU backend, which runs forward and backward of BF16 layers
-(W = 1) and reports NOT_IMPLEMENTED for fp8 until those kernels land. A CPU layer takes host
-memory (numpy arrays, torch CPU tensors), a GPU layer torch tensors on its device.
+and reports NOT_IMPLEMENTED for fp8 until those kernels land. A CPU layer takes host memory
+(numpy arrays, torch CPU tensors), a GPU layer torch tensors on its device.
+
+Expert parallelism: mok.Comm (python/mok/comm.py) is a communicator of W ranks (Comm.local,
+Comm.virtual for W ranks on one GPU, Comm.from_unique_id with mok.unique_id(),
+Comm.from_process_group); Layer(..., comm=c) and MoE(..., comm=c or process_group=g) hold
+EL = E / W experts of rank c.rank.
 
 mok.__version__ is the C library's version (MOK_VERSION_* of include/mok.h). `import mok` loads
 libmok.so ($MOK_LIBRARY when set, else the one installed with the package, else the source tree's
@@ -27,9 +32,11 @@ from . import _check
 from ._lib import DEVICE_CPU, PRECISIONS, MokError, lib, check
 from ._lib import LayerDesc, Weights, ForwardArgs, BackwardArgs, VERSION_CODE
 from ._version import VERSION
+from .comm import Comm, unique_id
 
 __version__ = ".".join(map(str, VERSION))
-__all__ = ["Layer", "MokError", "bf16_from_float32", "float32_from_bf16", "__version__"]
+__all__ = ["Comm", "Layer", "MokError", "bf16_from_float32", "float32_from_bf16", "unique_id",
+           "__version__"]
 
 lib()  # loads libmok.so now: a missing library or one of another version fails the import
 
@@ -71,13 +78,16 @@ def _ptr(t):
 
 
 class Layer:
-    """One MoE layer handle on one device (W = 1, so EL = E). Arguments, as include/mok.h defines them:
+    """One MoE layer handle on one device; rank `rank` of `world_size` ranks, holding
+    num_local_experts = EL = E / W experts (W = 1 unless created on a comm). Arguments, as
+    include/mok.h defines them:
 
-        x         [T, H]      bf16    T, 0 <= T <= max_tokens, is read from x
-        topk_idx  [T, K]      int32   ids in [0, E), distinct in a row; -1 = an empty slot
+        x         [T, H]      bf16    T, 0 <= T <= max_tokens (this rank's tokens), read from x
+        topk_idx  [T, K]      int32   GLOBAL ids in [0, E), distinct in a row; -1 = an empty slot
         topk_w    [T, K]      fp32
-        w         dict: wg, wu [E, I, H], wd [E, H, I] bf16; with shared_intermediate = Is > 0
-                  also wsg, wsu [Is, H], wsd [H, Is]. fp8 layers read `quantized` instead
+        w         dict: wg, wu [EL, I, H], wd [EL, H, I] bf16 (this rank's experts, global
+                  [rank EL, (rank + 1) EL)); with shared_intermediate = Is > 0 also wsg, wsu
+                  [Is, H], wsd [H, Is] (replicated on every rank). fp8 layers read `quantized`
         y, dy, grads['dx']    [T, H] bf16;  grads['dtopk_w'] [T, K] fp32
         grads['dwg'] ...      shaped like their weights, fp32 (bf16 with wgrad_fp32=False)
         ctx, quantized        byte buffers of context_bytes(), quantized_weights_bytes() bytes
@@ -86,16 +96,35 @@ class Layer:
     is cast: an argument of another dtype, shape or device, a non-contiguous one, a read-only
     numpy output, and on a CPU layer an expert id outside [-1, E) raise MokError naming the
     argument (a GPU layer's kernels find bad ids: check() reports them).
-    device: "cpu", "cuda" (torch.cuda.current_device()), "cuda:N" or a torch.device.
+    device: "cpu" (the default), "cuda" (torch.cuda.current_device()), "cuda:N" or a
+    torch.device; with a comm, the comm's device (another one raises WRONG_DEVICE).
+    comm: a mok.Comm (python/mok/comm.py) to create the layer on, collectively (every rank
+    creates its layers in the same order); E must be a multiple of its W ranks. The layer keeps
+    a reference to it, and close() leaves it open. None: a W = 1 communicator of the layer's own.
+    With W > 1 every rank calls forward (and backward) at every step, in the same order (T may
+    be 0); results are bitwise those of one W = 1 layer over the ranks' tokens concatenated in
+    rank order, but the shared expert's weight gradients, which are over this rank's tokens
+    (sum them over the ranks, like data-parallel gradients). Virtual ranks (Comm.virtual): pass
+    each rank's own stream.
     Arrays must stay alive for the duration of each call."""
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens,
-                 shared_intermediate=0, precision="bf16", device="cpu", wgrad_fp32=True,
-                 wgrad_accumulate=False, recompute=False, capacity_factor=0.0):
-        self._comm, self._layer = ctypes.c_void_p(), ctypes.c_void_p()
+                 shared_intermediate=0, precision="bf16", device=None, wgrad_fp32=True,
+                 wgrad_accumulate=False, recompute=False, capacity_factor=0.0, comm=None):
+        self._comm, self._layer, self.comm = ctypes.c_void_p(), ctypes.c_void_p(), None
         if precision not in PRECISIONS:
             raise MokError("INVALID_VALUE", f"precision {precision!r}: one of {list(PRECISIONS)}")
-        ordinal = _check.device_ordinal(device)
+        if comm is not None and not isinstance(comm, Comm):
+            raise MokError("INVALID_VALUE", f"comm: expected a mok.Comm, got {type(comm).__name__}")
+        if comm is not None and not comm._handle:
+            raise MokError("INVALID_VALUE", f"comm: {comm!r} is closed")
+        if comm is None:
+            ordinal = _check.device_ordinal("cpu" if device is None else device)
+        else:
+            ordinal = comm.ordinal
+            if device is not None and _check.device_ordinal(device) != ordinal:
+                raise MokError("WRONG_DEVICE", f"device {str(device)!r}: the comm's ranks are on "
+                                               f"{comm.device} (leave device out to take it)")
         self._lib = lib()
         self.device, self.ordinal = _check.device_name(ordinal), ordinal
         d = LayerDesc()
@@ -106,14 +135,20 @@ class Layer:
         d.wgrad_accumulate, d.context_mode = int(bool(wgrad_accumulate)), int(bool(recompute))
         d.capacity_factor = capacity_factor
         self.desc = d
-        check(self._lib.mok_comm_create_local(ctypes.byref(self._comm), ordinal))
+        if comm is None:  # a W = 1 communicator of the layer's own, destroyed with it
+            check(self._lib.mok_comm_create_local(ctypes.byref(self._comm), ordinal))
+            handle = self._comm
+        else:  # the caller's; kept referenced so that it outlives the layer
+            self.comm, handle = comm, comm._handle
         try:
-            check(self._lib.mok_layer_create(ctypes.byref(self._layer), self._comm, ctypes.byref(d)))
+            check(self._lib.mok_layer_create(ctypes.byref(self._layer), handle, ctypes.byref(d)))
         except MokError:
-            self._lib.mok_comm_destroy(self._comm)
-            self._comm = ctypes.c_void_p()
+            self.close()
             raise
-        self._dims = _check.Dims(d, ordinal, self.context_bytes(), self.quantized_weights_bytes())
+        self.rank, self.world_size = (0, 1) if comm is None else (comm.rank, comm.size)
+        self.num_local_experts = num_experts // self.world_size
+        self._dims = _check.Dims(d, ordinal, self.context_bytes(), self.quantized_weights_bytes(),
+                                 self.world_size)
 
     def close(self):
         if self._layer:
@@ -122,9 +157,13 @@ class Layer:
         if self._comm:
             self._lib.mok_comm_destroy(self._comm)
             self._comm = ctypes.c_void_p()
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm._layer_closed()
 
     def __del__(self):
-        self.close()
+        if hasattr(self, "_layer"):
+            self.close()
 
     def check(self):
         """Raises MokError for an error a GPU kernel of this layer found (bad routing, capacity
@@ -138,6 +177,10 @@ class Layer:
 
     def context_bytes(self):
         return self._size(self._lib.mok_context_size)
+
+    def workspace_bytes(self):
+        """Device memory the layer holds for its lifetime (0 on the CPU: it allocates per call)."""
+        return self._size(self._lib.mok_layer_workspace_size)
 
     def quantized_weights_bytes(self):
         return self._size(self._lib.mok_quantized_weights_size)

@@ -9,7 +9,8 @@ its end or reinterpreted. Here each argument (a numpy array or a torch tensor) i
     dtype     bf16 (torch.bfloat16; numpy has none: uint16 holding the bits), fp32, int32,
               exactly; nothing is cast here (the torch module casts)
     layout    C-contiguous; outputs also writeable
-    shape     against the layer: H, I, Is, K, EL, T <= T_max, T taken from x
+    shape     against the layer: H, I, Is, K, EL (E / W: routed weights are this rank's),
+              T <= T_max, T taken from x
     values    expert ids in [-1, E), on host memory only (on a GPU that needs a synchronization;
               the kernels check them and mok_layer_check reports them)
 
@@ -123,16 +124,18 @@ def _memory(name, t, ordinal, out):
     return kind
 
 
-def tensor(name, t, ordinal, dtype, dims, out=False):
+def tensor(name, t, ordinal, dtype, dims, out=False, hint=""):
     """t: `dtype` ('bf16', 'fp32', 'int32'), on the layer's device, C-contiguous, of shape `dims`,
-    a list of (symbol, size) such as [("T", 6), ("H", 128)]; a size None matches any."""
+    a list of (symbol, size) such as [("T", 6), ("H", 128)]; a size None matches any. `hint` is
+    appended to a shape error's message."""
     kind = _memory(name, t, ordinal, out)
     got = str(t.dtype) if kind == "torch" else t.dtype.name
     if got not in _DTYPES[dtype]:
         fail("INVALID_VALUE", f"{name}: dtype {got}, expected {_DTYPE_TEXT[dtype]}")
     shape = tuple(t.shape)
     if len(shape) != len(dims) or any(w is not None and s != w for s, (_, w) in zip(shape, dims)):
-        fail("INVALID_SHAPE", f"{name}: shape {[int(s) for s in shape]}, expected {_text(dims)}")
+        fail("INVALID_SHAPE", f"{name}: shape {[int(s) for s in shape]}, expected "
+                              f"{_text(dims)}{hint}")
 
 
 def _text(dims):
@@ -172,12 +175,15 @@ def expert_ids(name, t, num_experts):
 # ---- the arguments of one call ------------------------------------------------------------------
 
 class Dims:
-    """The layer's sizes, read from its descriptor (W = 1: a local communicator, EL = E), and
-    the byte sizes of its saved context and quantized weights."""
+    """The layer's sizes, read from its descriptor and its communicator's W ranks (EL = E / W
+    experts per rank; W = 1: EL = E), and the byte sizes of its saved context and quantized
+    weights. Routed weights and their gradients are this rank's [EL, ...]; expert ids stay
+    global, in [-1, E)."""
 
-    def __init__(self, desc, ordinal, ctx_bytes, quantized_bytes):
+    def __init__(self, desc, ordinal, ctx_bytes, quantized_bytes, nranks=1):
         self.H, self.I, self.Is = desc.hidden, desc.intermediate, desc.shared_intermediate
-        self.E, self.EL, self.K = desc.num_experts, desc.num_experts, desc.top_k
+        self.E, self.W, self.K = desc.num_experts, nranks, desc.top_k
+        self.EL = desc.num_experts // nranks
         self.T_max = desc.max_tokens
         self.bf16_only = desc.precision == 0
         self.wgrad = "fp32" if desc.wgrad_dtype else "bf16"
@@ -188,6 +194,13 @@ class Dims:
 
     def weight_dims(self, k):
         return self._weight_dims[k]
+
+    def weight_hint(self, k, t):
+        """Why a routed weight (or its gradient) of E experts is refused on a W > 1 layer."""
+        if self.W > 1 and k.lstrip("d") in ("wg", "wu", "wd") and tuple(t.shape)[:1] == (self.E,):
+            return (f" (EL = E / W = {self.E} / {self.W}: this rank's experts only, global "
+                    f"experts [rank * EL, (rank + 1) * EL), not all E)")
+        return ""
 
 
 def _keys(name, d, allowed):
@@ -217,7 +230,8 @@ def weights(m, w, required=True, name="w"):
                 fail("NULL_POINTER", f"{name}['{k}']: missing, expected bf16 "
                                      f"{_text(m.weight_dims(k))}")
             continue
-        tensor(f"{name}['{k}']", w[k], m.ordinal, "bf16", m.weight_dims(k))
+        tensor(f"{name}['{k}']", w[k], m.ordinal, "bf16", m.weight_dims(k),
+               hint=m.weight_hint(k, w[k]))
 
 
 def routing(m, x, topk_idx, topk_w):
@@ -263,7 +277,8 @@ def gradients(m, T, ctx, dy, grads):
     for k, dtype, dims in need:
         if grads.get(k) is None:
             fail("NULL_POINTER", f"grads['{k}']: missing, expected {dtype} {_text(dims)}")
-        tensor(f"grads['{k}']", grads[k], m.ordinal, dtype, dims, out=True)
+        tensor(f"grads['{k}']", grads[k], m.ordinal, dtype, dims, out=True,
+               hint=m.weight_hint(k, grads[k]))
     if not m.Is:
         given = [k for k in ("dwsg", "dwsu", "dwsd") if grads.get(k) is not None]
         if given:

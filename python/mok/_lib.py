@@ -38,6 +38,10 @@ class LayerDesc(ctypes.Structure):
     ]
 
 
+class UniqueId(ctypes.Structure):  # mok_unique_id_t: 128 opaque bytes (NCCL's unique id)
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
 class Weights(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in ("wg", "wu", "wd", "wsg", "wsu", "wsd", "quantized")]
                 + [("quantized_bytes", ctypes.c_size_t)])
@@ -84,10 +88,18 @@ def load():
         "mok_error_string": ([res], ctypes.c_char_p),
         "mok_last_error": ([], ctypes.c_char_p),
         "mok_comm_create_local": ([ctypes.POINTER(vp), ctypes.c_int], res),
+        "mok_comm_create_virtual": ([ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int], res),
+        "mok_get_unique_id": ([ctypes.POINTER(UniqueId)], res),
+        "mok_comm_create_unique_id": ([ctypes.POINTER(vp), ctypes.POINTER(UniqueId), ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_int], res),
         "mok_comm_destroy": ([vp], res),
+        "mok_comm_rank": ([vp, ctypes.POINTER(ctypes.c_int)], res),
+        "mok_comm_size": ([vp, ctypes.POINTER(ctypes.c_int)], res),
+        "mok_comm_device": ([vp, ctypes.POINTER(ctypes.c_int)], res),
         "mok_layer_create": ([ctypes.POINTER(vp), vp, ctypes.POINTER(LayerDesc)], res),
         "mok_layer_destroy": ([vp], res),
         "mok_layer_check": ([vp], res),
+        "mok_layer_workspace_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
         "mok_context_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
         "mok_quantized_weights_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
         "mok_quantize_weights": ([vp, ctypes.POINTER(Weights), vp, sz, vp], res),

@@ -21,12 +21,13 @@ _check.py) against the layer, and a bad argument raises mok.MokError naming it, 
     topk_w    [T, K] any floating dtype: rounded to fp32 (exact from bf16 and float16); its
               gradient comes back in topk_w's dtype.
     non-contiguous x, topk_idx, topk_w (and the dy of backward): a contiguous copy.
-Parameters are bf16 in PyTorch Linear layout: wg, wu [E, I, H], wd [E, H, I], and with a shared
-expert wsg, wsu [Is, H], wsd [H, Is]. After moe.float(), .half() or .double() they are rounded to
-bf16 for each call (a copy per forward; the layer computes in bf16), never reinterpreted, and
-their gradients (fp32 from the library) come back in the parameters' dtype, so fp32 master weights
-get the fp32 gradient itself. Parameters must stay on the layer's device: moe.to(another device)
-makes forward raise WRONG_DEVICE. fp8 layers quantize the weights at every forward.
+Parameters are bf16 in PyTorch Linear layout: wg, wu [EL, I, H], wd [EL, H, I] (EL = E / W; E
+for W = 1: see MoE, "Expert parallelism"), and with a shared expert wsg, wsu [Is, H], wsd
+[H, Is]. After moe.float(), .half() or .double() they are rounded to bf16 for each call (a copy
+per forward; the layer computes in bf16), never reinterpreted, and their gradients (fp32 from the
+library) come back in the parameters' dtype, so fp32 master weights get the fp32 gradient itself.
+Parameters must stay on the layer's device: moe.to(another device) makes forward raise
+WRONG_DEVICE. fp8 layers quantize the weights at every forward.
 The ops take the layer as an int (MoE.layer_id) and the parameters as they are; backward rounds
 non-bf16 parameters to bf16 again (a second copy) rather than keep the forward's copies.
 """
@@ -37,7 +38,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import Layer, MokError, _check
+from . import Comm, Layer, MokError, _check
 
 _NAMES = ("wg", "wu", "wd", "wsg", "wsu", "wsd")
 _ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
@@ -194,43 +195,99 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class MoE(torch.nn.Module):
-    """A MoE layer with routed experts (and optionally a shared expert) on one device (W = 1).
+    """A MoE layer with routed experts (and optionally a shared expert), on one device (W = 1)
+    or as rank `rank` of `world_size` expert-parallel ranks.
 
-    device: "cpu" (the plain-C reference backend), "cuda" (torch.cuda.current_device() at
-    construction), "cuda:N", or a torch.device naming one of these; anything else raises
-    MokError. forward(x [T, H] bf16, topk_idx [T, K] int, topk_w [T, K] float) -> y [T, H] bf16;
-    the module docstring lists what is cast and what raises.
+    device: "cpu" (the plain-C reference backend; the default without comm or process_group),
+    "cuda" (torch.cuda.current_device() at construction), "cuda:N", or a torch.device naming one
+    of these; anything else raises MokError. forward(x [T, H] bf16, topk_idx [T, K] int, topk_w
+    [T, K] float) -> y [T, H] bf16; the module docstring lists what is cast and what raises.
+
+    Expert parallelism (EP): with comm (a mok.Comm, e.g. one of mok.Comm.virtual(W, 0)) or
+    process_group (a torch.distributed group; the module then makes its own communicator with
+    mok.Comm.from_process_group on `device`, default the current CUDA device: one NCCL
+    communicator per module, so pass one comm to every layer of a model instead), the module
+    holds only its rank's EL = E / W experts: wg, wu [EL, I, H], wd [EL, H, I], global experts
+    [rank EL, (rank + 1) EL); the shared expert in full. forward takes this rank's tokens
+    (any T <= max_tokens, 0 included) with GLOBAL expert ids in [-1, E). Outputs are bitwise
+    those of one W = 1 module over the ranks' tokens concatenated in rank order: y, x.grad,
+    topk_w.grad and each routed expert's weight gradients. Rules:
+    - every rank constructs its modules in the same order (collective), and calls forward and
+      backward of every module at every step, in the same order, even with no tokens (keep y in
+      the loss, so that autograd reaches the backward);
+    - virtual ranks are driven by one thread, each rank's calls on its own stream:
+      `with torch.cuda.stream(s[r]): y[r] = moe[r](x[r], ...)`, and the backward of y[r] under
+      the same stream (autograd runs it on the forward's stream); a rank's kernels wait for the
+      other ranks', so nothing may synchronize the device in between (moe.layer.check() after
+      every rank's call);
+    - the shared expert's gradients on each rank are over that rank's tokens: all-reduce (sum)
+      them over the ranks like data-parallel gradients. The routed ones are complete.
+    Initialization: the parameters are drawn as a W = 1 module draws them (the full [E, ...]
+    tensors, in the same order, from torch's default generator) and each rank keeps its slice,
+    so rank r's experts are experts [r EL, (r + 1) EL) of the W = 1 module made after the same
+    torch.manual_seed, and the shared expert is the same on every rank. Seed every rank alike
+    (with virtual ranks, seed before each rank's module); or build from given weights with
+    MoE.from_experts(..., comm=...), which slices global ones. The full tensors exist during
+    construction (fp32, on the device), as they do for W = 1.
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens, shared_intermediate=0,
-                 precision="bf16", device="cpu", recompute=False):
+                 precision="bf16", device=None, recompute=False, *, process_group=None, comm=None):
         super().__init__()
+        if process_group is not None and comm is not None:
+            raise MokError("INVALID_VALUE", "MoE: pass process_group or comm, not both")
+        if process_group is not None:
+            comm = Comm.from_process_group(process_group, device)
         self.layer = Layer(hidden, intermediate, num_experts, top_k, max_tokens,
-                           shared_intermediate, precision, device, recompute=recompute)
+                           shared_intermediate, precision, device, recompute=recompute, comm=comm)
         self.layer_id = _register(self.layer)  # how the ops (and torch.compile) name the layer
         device = torch.device(self.layer.device)  # "cuda" resolved to its ordinal
         H, I, E, Is = hidden, intermediate, num_experts, shared_intermediate
+        EL, r = self.layer.num_local_experts, self.layer.rank
 
-        def param(*shape, fan_in):
+        def param(*shape, fan_in, routed=False):
             t = torch.randn(*shape, device=device) / math.sqrt(fan_in)
+            if routed:  # this rank's experts of the W = 1 module's draw
+                t = t[r * EL:(r + 1) * EL]
             return torch.nn.Parameter(t.to(torch.bfloat16))
 
-        self.wg, self.wu, self.wd = param(E, I, H, fan_in=H), param(E, I, H, fan_in=H), param(E, H, I, fan_in=I)
+        self.wg = param(E, I, H, fan_in=H, routed=True)
+        self.wu = param(E, I, H, fan_in=H, routed=True)
+        self.wd = param(E, H, I, fan_in=I, routed=True)
         if Is:
             self.wsg, self.wsu, self.wsd = param(Is, H, fan_in=H), param(Is, H, fan_in=H), param(H, Is, fan_in=Is)
         else:
             self.wsg = self.wsu = self.wsd = None
 
+    @property
+    def rank(self):
+        return self.layer.rank
+
+    @property
+    def world_size(self):
+        return self.layer.world_size
+
+    @property
+    def num_local_experts(self):
+        return self.layer.num_local_experts
+
+    @property
+    def comm(self):
+        """The mok.Comm the layer runs on (None for W = 1 without one)."""
+        return self.layer.comm
+
     @classmethod
     def from_experts(cls, down, gate_up=None, *, gate=None, up=None, top_k, max_tokens,
                      shared_gate=None, shared_up=None, shared_down=None, precision="bf16",
-                     device=None, recompute=False):
+                     device=None, recompute=False, process_group=None, comm=None):
         """A MoE whose parameters are copies of stacked expert weights (PyTorch Linear layout):
         down [E, H, I] and either gate_up [E, 2I, H] (gate rows first, then up: gate =
         gate_up[:, :I]) or gate and up [E, I, H]; optionally a shared expert shared_gate,
         shared_up [Is, H], shared_down [H, Is]. The parameters keep the tensors' floating dtype
-        (the layer rounds to bf16 per call). device: the layer's; None takes down's device.
-        A missing, extra or misshapen weight raises MokError naming it."""
+        (the layer rounds to bf16 per call). device: the layer's; None takes down's device (or
+        comm's). A missing, extra or misshapen weight raises MokError naming it.
+        With comm or process_group (see MoE), the weights are the GLOBAL E experts on every rank
+        and the module keeps experts [rank EL, (rank + 1) EL) and the whole shared expert."""
         def shape(name, t, want):
             if not isinstance(t, torch.Tensor):
                 raise MokError("INVALID_VALUE", f"{name}: expected a torch tensor, got "
@@ -261,11 +318,16 @@ class MoE(torch.nn.Module):
             Is = shared_down.shape[1]
             shape("shared_gate", shared_gate, (Is, H))
             shape("shared_up", shared_up, (Is, H))
-        moe = cls(H, I, E, top_k, max_tokens, Is, precision,
-                  down.device if device is None else device, recompute)
+        if device is None and comm is None and process_group is None:
+            device = down.device
+        moe = cls(H, I, E, top_k, max_tokens, Is, precision, device, recompute,
+                  process_group=process_group, comm=comm)
         target = torch.device(moe.layer.device)
+        EL, r = moe.num_local_experts, moe.rank
         for name, t in zip(_NAMES, (gate, up, down) + (shared if Is else (None,) * 3)):
             if t is not None:
+                if name in ("wg", "wu", "wd"):
+                    t = t[r * EL:(r + 1) * EL]
                 p = torch.nn.Parameter(t.detach().to(target).clone(memory_format=torch.contiguous_format))
                 setattr(moe, name, p)
         return moe
