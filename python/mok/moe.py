@@ -170,6 +170,34 @@ def _(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd, saved, quantized
     return [fresh(x), fresh(topk_w)] + [fresh(v) for v in given]
 
 
+@torch.library.custom_op("mok::backward_main_grad", mutates_args=("main_grads",))
+def _backward_main_grad_op(layer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
+                           topk_w: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor,
+                           wd: torch.Tensor, wsg: Optional[torch.Tensor],
+                           wsu: Optional[torch.Tensor], wsd: Optional[torch.Tensor],
+                           saved: torch.Tensor, quantized: torch.Tensor, dy: torch.Tensor,
+                           main_grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """[dx, dtopk_w]; the weight gradients are added, in fp32, into main_grads (one per weight
+    given, in the order wg, wu, wd, wsg, wsu, wsd): the layer accumulates (wgrad_accumulate)."""
+    layer = _layer(layer_id)
+    w = _weights(wg, wu, wd, wsg, wsu, wsd)
+    x, topk_w = x.contiguous(), topk_w.contiguous()
+    topk_idx = _expert_ids(layer, topk_idx)
+    dy = dy.to(torch.bfloat16).contiguous()
+    grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(topk_w)}
+    for k, g in zip(w, main_grads):
+        grads["d" + k] = g
+    layer.backward(x, topk_idx, topk_w, w, saved, dy, grads,
+                   quantized if quantized.numel() else None, _stream(x))
+    return [grads["dx"], grads["dtopk_w"]]
+
+
+@_backward_main_grad_op.register_fake
+def _(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd, saved, quantized, dy, main_grads):
+    fresh = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return [fresh(x), fresh(topk_w)]
+
+
 def _setup_context(ctx, inputs, output):
     layer_id, x, topk_idx, topk_w, *weights = inputs
     _, saved, quantized = output
@@ -185,6 +213,11 @@ def _backward(ctx, dy, _dsaved, _dquantized):
     x, topk_idx, topk_w, *rest = ctx.saved_tensors
     given, (saved, quantized) = iter(rest[:-2]), rest[-2:]
     weights = [next(given) if p else None for p in ctx.present]
+    main = getattr(ctx.layer, "main_grads", None)
+    if main is not None:  # MoE(main_grad=True): the weight gradients go into param.main_grad
+        grads = torch.ops.mok.backward_main_grad(ctx.layer_id, x, topk_idx, topk_w, *weights,
+                                                 saved, quantized, dy, main())
+        return (None, grads[0], None, grads[1], *[None for _ in ctx.present])
     grads = torch.ops.mok.backward(ctx.layer_id, x, topk_idx, topk_w, *weights, saved, quantized,
                                    dy)
     dws = iter(grads[2:])
@@ -222,6 +255,11 @@ class MoE(torch.nn.Module):
       every rank's call);
     - the shared expert's gradients on each rank are over that rank's tokens: all-reduce (sum)
       them over the ranks like data-parallel gradients. The routed ones are complete.
+    main_grad=True (Megatron's main_grad convention): every parameter gets `main_grad`, an fp32
+    buffer of its shape (zeros), and each backward ADDS the fp32 weight gradients into it (the
+    layer's accumulate mode, one epilogue, no extra pass) instead of producing param.grad, which
+    stays None; zero them with moe.zero_main_grad() (or your optimizer's) between steps. The
+    backward then goes through the op mok::backward_main_grad, which mutates the buffers.
     Initialization: the parameters are drawn as a W = 1 module draws them (the full [E, ...]
     tensors, in the same order, from torch's default generator) and each rank keeps its slice,
     so rank r's experts are experts [r EL, (r + 1) EL) of the W = 1 module made after the same
@@ -232,14 +270,16 @@ class MoE(torch.nn.Module):
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens, shared_intermediate=0,
-                 precision="bf16", device=None, recompute=False, *, process_group=None, comm=None):
+                 precision="bf16", device=None, recompute=False, *, process_group=None, comm=None,
+                 main_grad=False):
         super().__init__()
         if process_group is not None and comm is not None:
             raise MokError("INVALID_VALUE", "MoE: pass process_group or comm, not both")
         if process_group is not None:
             comm = Comm.from_process_group(process_group, device)
         self.layer = Layer(hidden, intermediate, num_experts, top_k, max_tokens,
-                           shared_intermediate, precision, device, recompute=recompute, comm=comm)
+                           shared_intermediate, precision, device, recompute=recompute, comm=comm,
+                           wgrad_fp32=True, wgrad_accumulate=main_grad)
         self.layer_id = _register(self.layer)  # how the ops (and torch.compile) name the layer
         device = torch.device(self.layer.device)  # "cuda" resolved to its ordinal
         H, I, E, Is = hidden, intermediate, num_experts, shared_intermediate
@@ -258,6 +298,26 @@ class MoE(torch.nn.Module):
             self.wsg, self.wsu, self.wsd = param(Is, H, fan_in=H), param(Is, H, fan_in=H), param(H, Is, fan_in=Is)
         else:
             self.wsg = self.wsu = self.wsd = None
+        if main_grad:
+            self._make_main_grads()
+
+    def _make_main_grads(self):
+        """Each parameter gets main_grad, fp32 zeros of its shape on the layer's device, and the
+        layer finds them at backward through a weak reference to this module."""
+        for name in _NAMES:
+            p = getattr(self, name)
+            if p is not None:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=self.layer.device)
+        ref = weakref.ref(self)
+        self.layer.main_grads = lambda: [getattr(ref(), n).main_grad for n in _NAMES
+                                         if getattr(ref(), n) is not None]
+
+    def zero_main_grad(self):
+        """main_grad of every parameter to zero (MoE(main_grad=True))."""
+        for name in _NAMES:
+            p = getattr(self, name)
+            if p is not None and hasattr(p, "main_grad"):
+                p.main_grad.zero_()
 
     @property
     def rank(self):
@@ -279,7 +339,8 @@ class MoE(torch.nn.Module):
     @classmethod
     def from_experts(cls, down, gate_up=None, *, gate=None, up=None, top_k, max_tokens,
                      shared_gate=None, shared_up=None, shared_down=None, precision="bf16",
-                     device=None, recompute=False, process_group=None, comm=None):
+                     device=None, recompute=False, process_group=None, comm=None,
+                     main_grad=False):
         """A MoE whose parameters are copies of stacked expert weights (PyTorch Linear layout):
         down [E, H, I] and either gate_up [E, 2I, H] (gate rows first, then up: gate =
         gate_up[:, :I]) or gate and up [E, I, H]; optionally a shared expert shared_gate,
@@ -321,7 +382,7 @@ class MoE(torch.nn.Module):
         if device is None and comm is None and process_group is None:
             device = down.device
         moe = cls(H, I, E, top_k, max_tokens, Is, precision, device, recompute,
-                  process_group=process_group, comm=comm)
+                  process_group=process_group, comm=comm, main_grad=main_grad)
         target = torch.device(moe.layer.device)
         EL, r = moe.num_local_experts, moe.rank
         for name, t in zip(_NAMES, (gate, up, down) + (shared if Is else (None,) * 3)):
@@ -330,6 +391,8 @@ class MoE(torch.nn.Module):
                     t = t[r * EL:(r + 1) * EL]
                 p = torch.nn.Parameter(t.detach().to(target).clone(memory_format=torch.contiguous_format))
                 setattr(moe, name, p)
+        if main_grad:
+            moe._make_main_grads()
         return moe
 
     def forward(self, x, topk_idx, topk_w):
