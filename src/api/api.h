@@ -48,6 +48,10 @@ mokResult_t mok_vgroup_window(mok_comm_t comm, size_t bytes, void *peer[], void 
                               int *index);
 void mok_vgroup_window_release(mok_comm_t comm, int index);
 void mok_vgroup_leave(mok_comm_t comm); /* mok_comm_destroy of a virtual rank */
+struct mok_vgroup;
+mokResult_t mok_vgroup_create(int nranks, int device, struct mok_vgroup **out);
+void mok_vgroup_join(mok_comm_t comm, struct mok_vgroup *g);
+void mok_vgroup_free(struct mok_vgroup *g); /* one that no communicator joined */
 
 struct mok_layer {
   mok_comm_t comm;

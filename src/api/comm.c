@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "api/api.h"
+#include "common/limits.h"
 
 _Static_assert(offsetof(struct mok_comm, magic) >= 32, "the magic must survive free() (api.h)");
 
@@ -46,6 +47,35 @@ mokResult_t mok_comm_create_local(mok_comm_t *out, int device) {
   c->nranks = 1;
   c->magic = MOK_COMM_MAGIC;
   *out = c;
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_comm_create_virtual(mok_comm_t out[], int nranks, int device) {
+  if (!out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_comm_create_virtual: out is NULL");
+  if (nranks < 1 || nranks > MOK_MAX_RANKS)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "mok_comm_create_virtual: %d ranks not in [1, %d]", nranks, MOK_MAX_RANKS);
+  for (int r = 0; r < nranks; r++) out[r] = NULL;
+  if (device < 0)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "mok_comm_create_virtual: device %d is not a GPU", device);
+  struct mok_vgroup *g = NULL;
+  mokResult_t r = check_device(device);
+  if (r == MOK_SUCCESS) r = mok_vgroup_create(nranks, device, &g);
+  for (int q = 0; q < nranks && r == MOK_SUCCESS; q++) r = mok_comm_create_local(&out[q], device);
+  if (r != MOK_SUCCESS) {
+    for (int q = 0; q < nranks; q++) {
+      mok_comm_destroy(out[q]);
+      out[q] = NULL;
+    }
+    mok_vgroup_free(g);
+    return r;
+  }
+  for (int q = 0; q < nranks; q++) {
+    out[q]->rank = q;
+    out[q]->nranks = nranks;
+    mok_vgroup_join(out[q], g);
+  }
   return MOK_SUCCESS;
 }
 

@@ -13,6 +13,7 @@
 
 #include "cuda/quant/quant.h"
 #include "api/api.h"
+#include "api/internal.h"
 #include "common/limits.h"
 
 /* The bounds of common/limits.h make every size fit in int64_t; size_t must hold them too. */
@@ -333,4 +334,23 @@ mokResult_t mok_quantize_weights(mok_layer_t l, const mok_weights_t *w, void *ou
                                        mok_last_error());
   }
   return mok_cpu_quantize_weights(l, w, out);
+}
+
+/* ---- the layer's tuning (src/api/internal.h) ---------------------------------------------- */
+
+mokResult_t mok_layer_tuning(mok_layer_t layer, mok_tuning_t *out) {
+  mokResult_t r = mok_layer_valid(layer, "mok_layer_tuning");
+  if (r != MOK_SUCCESS) return r;
+  if (!out) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_tuning: out is NULL");
+  *out = layer->tuning;
+  return MOK_SUCCESS;
+}
+
+mokResult_t mok_layer_set_tuning(mok_layer_t layer, const mok_tuning_t *t) {
+  mokResult_t r = mok_layer_valid(layer, "mok_layer_set_tuning");
+  if (r != MOK_SUCCESS) return r;
+  r = mok_tuning_check(layer, t);
+  if (r != MOK_SUCCESS) return r;
+  layer->tuning = *t;
+  return MOK_SUCCESS;
 }

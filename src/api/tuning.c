@@ -1,10 +1,9 @@
-/* tuning.c: the tuning defaults and their checks (src/common/tuning.h), and the internal entry
- * points that read and replace a layer's copy (src/api/internal.h). */
+/* tuning.c: the tuning defaults and their checks (src/common/tuning.h); a layer's copy is read and
+ * replaced by src/api/layer.c's mok_layer_tuning / mok_layer_set_tuning (src/api/internal.h). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "api/api.h"
-#include "api/internal.h"
 
 mokResult_t mok_tuning_default(mok_tuning_t *t) {
   memset(t, 0, sizeof(*t));
@@ -41,22 +40,5 @@ mokResult_t mok_tuning_check(mok_layer_t layer, const mok_tuning_t *t) {
                     "fused_help_pct = %d, tile_group_m = %d, timeout_s = %g out of range",
                     t->forward_sms, t->fused_lag, t->fused_shared_band, t->fused_help_pct,
                     t->tile_group_m, t->timeout_s);
-  return MOK_SUCCESS;
-}
-
-mokResult_t mok_layer_tuning(mok_layer_t layer, mok_tuning_t *out) {
-  mokResult_t r = mok_layer_valid(layer, "mok_layer_tuning");
-  if (r != MOK_SUCCESS) return r;
-  if (!out) return mok_fail(layer, MOK_ERROR_NULL_POINTER, "mok_layer_tuning: out is NULL");
-  *out = layer->tuning;
-  return MOK_SUCCESS;
-}
-
-mokResult_t mok_layer_set_tuning(mok_layer_t layer, const mok_tuning_t *t) {
-  mokResult_t r = mok_layer_valid(layer, "mok_layer_set_tuning");
-  if (r != MOK_SUCCESS) return r;
-  r = mok_tuning_check(layer, t);
-  if (r != MOK_SUCCESS) return r;
-  layer->tuning = *t;
   return MOK_SUCCESS;
 }

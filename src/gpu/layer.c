@@ -158,6 +158,36 @@ mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, cons
 }
 
 
+/* The weight-gradient GEMM of a backward chain (gpu.h). */
+mokResult_t mok_gpu_wgrad(mok_layer_t l, int64_t groups, int64_t m, int64_t n, int64_t k,
+                             const void *a, const void *b, const int32_t *offsets, void *dw,
+                         float *stage, const char *what, void *stream) {
+  const int bf16 = l->d.wgrad_dtype == MOK_WGRAD_BF16, acc = l->d.wgrad_accumulate;
+  mok_grouped_wgrad_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.epilogue = bf16 ? (acc ? MOK_GG_EPI_STORE_F32 : MOK_GG_EPI_STORE_BF16)
+                    : (acc ? MOK_GG_EPI_ACCUM_F32 : MOK_GG_EPI_STORE_F32);
+  p.num_groups = groups;
+  p.m_total = m;
+  p.n = n;
+  p.k = k;
+  p.a = a;
+  p.b = b;
+  p.offsets = offsets;
+  p.c = bf16 && acc ? (void *)stage : dw;
+  mokResult_t r = mok_grouped_wgrad_launch(&p, stream);
+  if (r != MOK_SUCCESS)
+    return mok_fail(l, r, "mok_backward: the %s weight-gradient GEMM (G = %lld, M = %lld, "
+                    "N = %lld, K = %lld) failed to launch: %s", what, (long long)groups,
+                    (long long)m, (long long)n, (long long)k, mok_error_string(r));
+  if (bf16 && acc) {
+    r = mok_bwd_wgrad_store_bf16_launch(stage, dw, groups * n * k, 1, stream);
+    if (r != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
+  }
+  return MOK_SUCCESS;
+}
+
+
 /* ---- asynchronous errors ---------------------------------------------------------------------- */
 
 mokResult_t mok_gpu_check(mok_layer_t l) {

@@ -1,7 +1,7 @@
 /*
  * virtual_ranks.c: W virtual ranks on one GPU (src/api/api.h, "Virtual ranks";
- * mok_comm_create_virtual in include/mok.h). A group is W communicators on one device and a
- * list of collective windows: the n-th window request of any rank allocates the n-th buffer of
+ * mok_comm_create_virtual in src/api/comm.c makes the communicators). A group is W communicators
+ * on one device and a list of collective windows: the n-th window request of any rank allocates the n-th buffer of
  * every rank (so one thread can create the ranks' layers one after another), and each rank's peer
  * table is the W buffers. Requests of the same rank are numbered by that rank's count
  * (comm->vwindows): ranks create their transports in the same order, as NCCL windows need too.
@@ -11,7 +11,6 @@
 #include <string.h>
 
 #include "api/api.h"
-#include "api/internal.h"
 #include "common/limits.h"
 
 #define VG_MAX_WINDOWS 64 /* windows of a group over its lifetime (a layer takes one) */
@@ -29,37 +28,13 @@ struct mok_vgroup {
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
 
-mokResult_t mok_comm_create_virtual(mok_comm_t out[], int nranks, int device) {
-  if (!out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_comm_create_virtual: out is NULL");
-  if (nranks < 1 || nranks > MOK_MAX_RANKS)
-    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "mok_comm_create_virtual: %d ranks not in [1, %d]",
-                    nranks, MOK_MAX_RANKS);
-  for (int r = 0; r < nranks; r++) out[r] = NULL;
-  if (device < 0)
-    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
-                    "mok_comm_create_virtual: device %d is not a GPU", device);
+mokResult_t mok_vgroup_create(int nranks, int device, struct mok_vgroup **out) {
   struct mok_vgroup *g = calloc(1, sizeof(*g));
   if (!g) return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_comm_create_virtual: calloc");
   pthread_mutex_init(&g->mu, NULL);
   g->W = nranks;
   g->device = device;
-  for (int r = 0; r < nranks; r++) {
-    mokResult_t res = mok_comm_create_local(&out[r], device);
-    if (res != MOK_SUCCESS) {
-      for (int q = 0; q < r; q++) {
-        out[q]->vgroup = NULL; /* a plain local communicator again */
-        mok_comm_destroy(out[q]);
-        out[q] = NULL;
-      }
-      pthread_mutex_destroy(&g->mu);
-      free(g);
-      return res;
-    }
-    out[r]->rank = r;
-    out[r]->nranks = nranks;
-    out[r]->vgroup = g;
-  }
-  g->members = nranks;
+  *out = g;
   return MOK_SUCCESS;
 }
 
@@ -120,9 +95,8 @@ void mok_vgroup_window_release(mok_comm_t comm, int index) {
 
 #else /* !MOK_WITH_CUDA */
 
-mokResult_t mok_comm_create_virtual(mok_comm_t out[], int nranks, int device) {
-  (void)nranks, (void)device;
-  if (out) out[0] = NULL;
+mokResult_t mok_vgroup_create(int nranks, int device, struct mok_vgroup **out) {
+  (void)nranks, (void)device, (void)out;
   return mok_fail(NULL, MOK_ERROR_NO_DEVICE, "this build of MoK has no CUDA support");
 }
 mokResult_t mok_vgroup_window(mok_comm_t comm, size_t bytes, void *peer[], void **local,
@@ -133,6 +107,21 @@ mokResult_t mok_vgroup_window(mok_comm_t comm, size_t bytes, void *peer[], void 
 void mok_vgroup_window_release(mok_comm_t comm, int index) { (void)comm, (void)index; }
 
 #endif /* MOK_WITH_CUDA */
+
+/* A communicator joins the group (mok_comm_create_virtual) as rank `rank`. */
+void mok_vgroup_join(mok_comm_t comm, struct mok_vgroup *g) {
+  pthread_mutex_lock(&g->mu);
+  g->members++;
+  pthread_mutex_unlock(&g->mu);
+  comm->vgroup = g;
+}
+
+/* A group no communicator joined (a failed mok_comm_create_virtual). */
+void mok_vgroup_free(struct mok_vgroup *g) {
+  if (!g) return;
+  pthread_mutex_destroy(&g->mu);
+  free(g);
+}
 
 /* A member leaves (mok_comm_destroy): the last one frees the group. Windows are released by
  * their transports first. */
