@@ -86,7 +86,24 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
     td.tile_m = 1;
     td.num_sms = l->d.comm_sms;
     td.timeout_s = l->tuning.timeout_s;
-    res = mok_transport_create(&g->tp, l->comm, &td);
+    if (l->comm->vgroup) {
+      /* Virtual ranks share one GPU, and every rank's communication CTAs (one per SM) and layout
+       * CTA wait for the others': all must be resident at once. Default: at most 20 (the real
+       * ranks' default) and SMs / (2 W), which leaves half the SMs to the GEMMs (W = 8 with 20
+       * each, 168 CTAs on 132 SMs, waited until the timeout). */
+      const int W = l->comm->nranks;
+      int sms = 0;
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, l->comm->device);
+      const int fit = sms / (2 * W) > 1 ? sms / (2 * W) : 1;
+      if (td.num_sms == 0) td.num_sms = fit < 20 ? fit : 20;
+      else if ((td.num_sms + 1) * W > sms)
+        res = mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                       "mok_layer_create: comm_sms %d with %d virtual ranks on one GPU of %d "
+                       "SMs: every rank's %d communication CTAs and its layout CTA must fit at "
+                       "once ((comm_sms + 1) W <= %d); use 0 (automatic: %d)",
+                       td.num_sms, W, sms, td.num_sms, sms, fit < 20 ? fit : 20);
+    }
+    if (res == MOK_SUCCESS) res = mok_transport_create(&g->tp, l->comm, &td);
     /* Every kernel of the forward loaded now: a first launch that loads it may wait for the
      * kernels running, which wait for the other ranks' calls. */
     if (res == MOK_SUCCESS && (mok_ep_preload() != MOK_SUCCESS || mok_gg_preload() != MOK_SUCCESS ||
