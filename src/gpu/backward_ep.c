@@ -109,14 +109,16 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   const void *gs = save ? CTX(MOK_CTX_GS) : WS(MOK_WS_GS);
   const void *us = save ? CTX(MOK_CTX_US) : WS(MOK_WS_US);
   if (!save) {
-    mok_grouped_gemm_params_t gu = mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);
+    mok_grouped_gemm_params_t gu =
+        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);
     gu.a = WS(MOK_WS_XG), gu.b = a->w.wg, gu.b2 = a->w.wu, gu.offsets = off;
     gu.c = WS(MOK_WS_A), gu.row_scale = row_w;
     gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U);
     if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "recompute gate/up", stream)) != MOK_SUCCESS)
       return r;
     if (shared) {
-      mok_grouped_gemm_params_t sgu = mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
+      mok_grouped_gemm_params_t sgu =
+          mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
       sgu.a = a->x, sgu.b = a->w.wsg, sgu.b2 = a->w.wsu, sgu.offsets = soff;
       sgu.c = WS(MOK_WS_AS), sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
       if ((r = mok_gpu_gemm(l, &sgu, "mok_backward", "recompute shared gate/up", stream)) !=
@@ -124,7 +126,8 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
         return r;
     }
   }
-  mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, EL, R, I, H);
+  mok_grouped_gemm_params_t dsp =
+      mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, EL, R, I, H);
   dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = off, dsp.c = WS(MOK_WS_DS);
   if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
   mok_bwd_swiglu_params_t sb;
@@ -134,7 +137,8 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
   sb.dw_row = (float *)WS(MOK_WS_DW_ROW);
   if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-  mok_grouped_gemm_params_t dxg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, EL, R, H, I);
+  mok_grouped_gemm_params_t dxg =
+      mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, EL, R, H, I);
   dxg.a = WS(MOK_WS_DG), dxg.b = a->w.wg, dxg.offsets = off, dxg.c = WS(MOK_WS_DXK);
   if ((r = mok_gpu_gemm(l, &dxg, "mok_backward", "routed dx (gate)", stream)) != MOK_SUCCESS)
     return r;
@@ -143,7 +147,8 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   if ((r = mok_gpu_gemm(l, &dxu, "mok_backward", "routed dx (up)", stream)) != MOK_SUCCESS)
     return r;
   if (shared) {
-    mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
+    mok_grouped_gemm_params_t ss =
+        mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
     ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = soff, ss.c = WS(MOK_WS_DSS);
     if ((r = mok_gpu_gemm(l, &ss, "mok_backward", "shared ds", stream)) != MOK_SUCCESS) return r;
     mok_bwd_swiglu_params_t ssb;
@@ -153,7 +158,8 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
     ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
     if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS)
       return mok_gpu_launcher_failed(l, r);
-    mok_grouped_gemm_params_t sg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
+    mok_grouped_gemm_params_t sg =
+        mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
     sg.a = WS(MOK_WS_DGS), sg.b = a->w.wsg, sg.offsets = soff, sg.c = WS(MOK_WS_DXS);
     if ((r = mok_gpu_gemm(l, &sg, "mok_backward", "shared dx (gate)", stream)) != MOK_SUCCESS)
       return r;

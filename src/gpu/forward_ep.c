@@ -75,7 +75,8 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
 
   /* This rank's experts over the rows that arrived (the W = 1 chain's GEMMs). */
   const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
-  mok_grouped_gemm_params_t gu = mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);
+  mok_grouped_gemm_params_t gu =
+      mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);
   gu.a = p.xg;
   gu.b = a->w.wg, gu.b2 = a->w.wu;
   gu.offsets = p.offsets;
@@ -84,14 +85,16 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
   gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
   if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "routed gate/up", stream)) != MOK_SUCCESS) return r;
-  mok_grouped_gemm_params_t dn = mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_KMAJOR, EL, R, H, I);
+  mok_grouped_gemm_params_t dn =
+      mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_KMAJOR, EL, R, H, I);
   dn.a = gu.c;
   dn.b = a->w.wd;
   dn.offsets = p.offsets;
   dn.c = (void *)p.yk; /* over xg, which the gate/up GEMM has read */
   if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "routed down", stream)) != MOK_SUCCESS) return r;
   if (Is > 0 && T > 0) {
-    mok_grouped_gemm_params_t sgu = mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
+    mok_grouped_gemm_params_t sgu =
+        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
     sgu.a = a->x;
     sgu.b = a->w.wsg, sgu.b2 = a->w.wsu;
     sgu.offsets = p.shared_offsets;
@@ -100,7 +103,8 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
     if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "shared gate/up", stream)) != MOK_SUCCESS)
       return r;
-    mok_grouped_gemm_params_t sdn = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_KMAJOR, 1, T, H, Is);
+    mok_grouped_gemm_params_t sdn =
+        mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_KMAJOR, 1, T, H, Is);
     sdn.a = sgu.c;
     sdn.b = a->w.wsd;
     sdn.offsets = p.shared_offsets;

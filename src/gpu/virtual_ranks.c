@@ -1,10 +1,11 @@
 /*
  * virtual_ranks.c: W virtual ranks on one GPU (src/api/api.h, "Virtual ranks";
- * mok_comm_create_virtual in src/api/comm.c makes the communicators). A group is W communicators
- * on one device and a list of collective windows: the n-th window request of any rank allocates the n-th buffer of
- * every rank (so one thread can create the ranks' layers one after another), and each rank's peer
- * table is the W buffers. Requests of the same rank are numbered by that rank's count
- * (comm->vwindows): ranks create their transports in the same order, as NCCL windows need too.
+ * mok_comm_create_virtual in src/api/comm.c makes the communicators). A group is W
+ * communicators on one device and a list of collective windows: the n-th window request of any
+ * rank allocates the n-th buffer of every rank (so one thread can create the ranks' layers one
+ * after another), and each rank's peer table is the W buffers. Requests of the same rank are
+ * numbered by that rank's count (comm->vwindows): ranks create their transports in the same
+ * order, as NCCL windows need too.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -54,9 +55,10 @@ mokResult_t mok_vgroup_window(mok_comm_t comm, size_t bytes, void *peer[], void 
       if (e == cudaSuccess) e = cudaMemset(g->win[n].buf[r], 0, bytes);
       if (e != cudaSuccess) {
         cudaGetLastError();
-        res = mok_fail(NULL, e == cudaErrorMemoryAllocation ? MOK_ERROR_OUT_OF_MEMORY : MOK_ERROR_CUDA,
-                       "virtual ranks: a %zu-byte window on GPU %d: %s", bytes, g->device,
-                       cudaGetErrorString(e));
+        const mokResult_t code =
+            e == cudaErrorMemoryAllocation ? MOK_ERROR_OUT_OF_MEMORY : MOK_ERROR_CUDA;
+        res = mok_fail(NULL, code, "virtual ranks: a %zu-byte window on GPU %d: %s", bytes,
+                       g->device, cudaGetErrorString(e));
       }
     }
     if (res != MOK_SUCCESS) {
