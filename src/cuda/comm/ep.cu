@@ -248,15 +248,14 @@ __global__ void __launch_bounds__(EP_THREADS)
        t += warps) {
     const float4 *ys_t = p.ys ? (const float4 *)(p.ys + t * p.H) : NULL;
     uint4 *y_t = (uint4 *)p.y + t * H8;
-    if (p.dtopk_w) {  // the backward: each slot's router-weight gradient, 0 for an empty slot
-      const float *comb_w = (const float *)(p.peer[p.rank] + p.win.comb_w) + t * K;
+    if (p.dtopk_w)  // the backward: each slot's router-weight gradient, 0 for an empty slot
       for (int64_t k = lane; k < K; k += 32) {
         const int32_t row = p.lay.slot_row[t * K + k];
-        p.dtopk_w[t * K + k] = row < 0                                  ? 0.0f
-                               : p.topk_idx[t * K + k] / p.EL == p.rank ? __ldcg(p.row_val + row)
-                                                                        : __ldcg(comb_w + k);
+        p.dtopk_w[t * K + k] = row < 0 ? 0.0f
+                               : p.topk_idx[t * K + k] / p.EL == p.rank
+                                   ? __ldcg(p.row_val + row)
+                                   : __ldcg((const float *)(p.peer[p.rank] + p.win.comb_w) + t * K + k);
       }
-    }
     for (int64_t c = lane; c < H8; c += 32) {
       float acc[8];
       rl_load_ys(ys_t, c, true, acc);
