@@ -131,6 +131,26 @@ static void ep_inputs(ep_team_t *t, const fwd_problem_t *p, const int64_t *T) {
   cudaDeviceSynchronize();
 }
 
+// Rank r's forward arguments: its T tokens and its experts' slice of the weights.
+static mok_forward_args_t ep_rank_args(const ep_team_t *t, int r, int64_t T) {
+  mok_weights_t w;
+  memset(&w, 0, sizeof(w));
+  const size_t ew = (size_t)(t->EL * t->H * t->I);
+  w.wg = t->wg + r * ew, w.wu = t->wu + r * ew, w.wd = t->wd + r * ew;
+  w.wsg = t->wsg, w.wsu = t->wsu, w.wsd = t->wsd;
+  return test_forward_args(T, t->x[r], t->idx[r], t->tw[r], w);
+}
+
+// Rank r's backward arguments: dy, dx, dtopk_w, its experts' slice of the routed weight gradients
+// and its own shared-expert ones.
+static mok_backward_args_t ep_rank_backward_args(const ep_team_t *t, int r, int64_t T) {
+  const size_t ew = (size_t)(t->EL * t->H * t->I);
+  void *dw[6];
+  for (int i = 0; i < 3; i++) dw[i] = (char *)t->dwr[i] + r * ew * t->wgrad_el;
+  for (int i = 0; i < 3; i++) dw[3 + i] = t->dws[r][i];
+  return test_backward_args(T, t->dy[r], t->dx[r], t->dtw[r], dw, t->wsg != NULL);
+}
+
 // One forward on every rank (rank order, each on its stream); res[r] the call's result.
 static void ep_forward(ep_team_t *t, const int64_t *T, mokResult_t *res, int skip_rank) {
   for (int r = 0; r < t->W; r++) {
@@ -138,12 +158,7 @@ static void ep_forward(ep_team_t *t, const int64_t *T, mokResult_t *res, int ski
       res[r] = MOK_SUCCESS;
       continue;
     }
-    mok_weights_t w;
-    memset(&w, 0, sizeof(w));
-    const size_t ew = (size_t)(t->EL * t->H * t->I);
-    w.wg = t->wg + r * ew, w.wu = t->wu + r * ew, w.wd = t->wd + r * ew;
-    w.wsg = t->wsg, w.wsu = t->wsu, w.wsd = t->wsd;
-    const mok_forward_args_t a = test_forward_args(T[r], t->x[r], t->idx[r], t->tw[r], w);
+    const mok_forward_args_t a = ep_rank_args(t, r, T[r]);
     res[r] = mok_forward(t->l[r], &a, T[r] ? t->y[r] : NULL, t->ctx[r], t->ctx_bytes,
                          (mok_stream_t)t->s[r]);
   }
@@ -434,17 +449,8 @@ static void ep_backward_inputs(ep_team_t *t, const bwd_problem_t *p, const int64
 
 static void ep_backward(ep_team_t *t, const int64_t *T, mokResult_t *res) {
   for (int r = 0; r < t->W; r++) {
-    mok_weights_t w;
-    memset(&w, 0, sizeof(w));
-    const size_t ew = (size_t)(t->EL * t->H * t->I);
-    w.wg = t->wg + r * ew, w.wu = t->wu + r * ew, w.wd = t->wd + r * ew;
-    w.wsg = t->wsg, w.wsu = t->wsu, w.wsd = t->wsd;
-    const mok_forward_args_t a = test_forward_args(T[r], t->x[r], t->idx[r], t->tw[r], w);
-    void *dw[6];
-    for (int i = 0; i < 3; i++) dw[i] = (char *)t->dwr[i] + r * ew * t->wgrad_el;
-    for (int i = 0; i < 3; i++) dw[3 + i] = t->dws[r][i];
-    const mok_backward_args_t b = test_backward_args(T[r], t->dy[r], t->dx[r], t->dtw[r], dw,
-                                                     t->wsg != NULL);
+    const mok_forward_args_t a = ep_rank_args(t, r, T[r]);
+    const mok_backward_args_t b = ep_rank_backward_args(t, r, T[r]);
     res[r] = mok_backward(t->l[r], &a, &b, t->ctx[r], t->ctx_bytes, (mok_stream_t)t->s[r]);
   }
 }
@@ -633,16 +639,8 @@ MOK_TEST(ep_cuda_graph_replays_with_new_routing) {
     // Only rank r's calls go to its capture (the other's are skipped now, enqueued in its turn).
     ep_forward(&t, T, res, 1 - r);
     {  // rank r's backward
-      mok_weights_t w;
-      memset(&w, 0, sizeof(w));
-      const size_t ew = (size_t)(t.EL * t.H * t.I);
-      w.wg = t.wg + r * ew, w.wu = t.wu + r * ew, w.wd = t.wd + r * ew;
-      w.wsg = t.wsg, w.wsu = t.wsu, w.wsd = t.wsd;
-      const mok_forward_args_t a = test_forward_args(T[r], t.x[r], t.idx[r], t.tw[r], w);
-      void *dw[6];
-      for (int i = 0; i < 3; i++) dw[i] = (char *)t.dwr[i] + r * ew * t.wgrad_el;
-      for (int i = 0; i < 3; i++) dw[3 + i] = t.dws[r][i];
-      const mok_backward_args_t b = test_backward_args(T[r], t.dy[r], t.dx[r], t.dtw[r], dw, 1);
+      const mok_forward_args_t a = ep_rank_args(&t, r, T[r]);
+      const mok_backward_args_t b = ep_rank_backward_args(&t, r, T[r]);
       bres[r] = mok_backward(t.l[r], &a, &b, t.ctx[r], t.ctx_bytes, (mok_stream_t)t.s[r]);
     }
     const cudaError_t ce = cudaStreamEndCapture(t.s[r], &graph);
