@@ -81,6 +81,34 @@ MOK_TEST(api_error_strings_are_distinct) {
   MOK_EXPECT(mok_version() == MOK_VERSION_CODE);
 }
 
+/* Virtual ranks: bad arguments, and without a GPU a clear NO_DEVICE, every out[] left NULL; with
+ * one, W communicators of ranks 0..W-1 on the device (their layers: tests/gpu/test_ep.cu). */
+MOK_TEST(api_virtual_comm_errors) {
+  mok_comm_t c[3] = {(mok_comm_t)0x1, (mok_comm_t)0x1, (mok_comm_t)0x1};
+  MOK_EXPECT(mok_comm_create_virtual(NULL, 2, 0) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_comm_create_virtual(c, 0, 0) == MOK_ERROR_INVALID_VALUE && msg_has("0 ranks"));
+  MOK_EXPECT(mok_comm_create_virtual(c, 9, 0) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT(mok_comm_create_virtual(c, 2, MOK_DEVICE_CPU) == MOK_ERROR_INVALID_VALUE &&
+             !c[0] && !c[1] && msg_has("not a GPU"));
+  MOK_EXPECT(mok_comm_create_virtual(c, 2, 4096) == MOK_ERROR_NO_DEVICE && !c[0] && !c[1]);
+  mok_comm_t gpu = NULL;
+  const int have_gpu = mok_comm_create_local(&gpu, 0) == MOK_SUCCESS;
+  mok_comm_destroy(gpu);
+  const mokResult_t r = mok_comm_create_virtual(c, 3, 0);
+  if (!have_gpu) {
+    MOK_EXPECT(r == MOK_ERROR_NO_DEVICE && !c[0] && !c[1] && !c[2]);
+    return;
+  }
+  MOK_REQUIRE(r == MOK_SUCCESS);
+  for (int q = 0; q < 3; q++) {
+    int rank = -1, size = -1, dev = -1;
+    MOK_EXPECT(mok_comm_rank(c[q], &rank) == MOK_SUCCESS && rank == q);
+    MOK_EXPECT(mok_comm_size(c[q], &size) == MOK_SUCCESS && size == 3);
+    MOK_EXPECT(mok_comm_device(c[q], &dev) == MOK_SUCCESS && dev == 0);
+  }
+  for (int q = 0; q < 3; q++) MOK_EXPECT(mok_comm_destroy(c[q]) == MOK_SUCCESS);
+}
+
 MOK_TEST(api_comm_errors) {
   mok_comm_t c = (mok_comm_t)0x1;
   MOK_EXPECT(mok_comm_create_local(NULL, MOK_DEVICE_CPU) == MOK_ERROR_NULL_POINTER);
