@@ -80,8 +80,10 @@ typedef enum {
                                   rank reports which slot), so no rank computed this call */
   MOK_WS_ERR_PEER_CAPACITY = 7, /* expert parallelism: rank `value` would receive `slot` routed
                                    rows, its capacity is `limit`, so no rank computed this call */
-  MOK_WS_ERR_PEER_CONTEXT = 8   /* expert parallelism: rank `value`'s context did not match its
+  MOK_WS_ERR_PEER_CONTEXT = 8,  /* expert parallelism: rank `value`'s context did not match its
                                    backward, so no rank computed this backward */
+  MOK_WS_ERR_PEER_SHAPE = 9     /* expert parallelism: rank `value`'s layer was created with
+                                   max_tokens `slot`, this rank's with `limit` */
 } mok_ws_err_kind_t;
 
 /* Which field of the context header told a backward that its context does not match. */

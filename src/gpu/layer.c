@@ -290,6 +290,13 @@ mokResult_t mok_gpu_check(mok_layer_t l) {
                    "dtopk_w unchanged, weight gradients zeroed when overwritten, unchanged when "
                    "accumulated",
                    l->comm->rank, l->comm->nranks, (long long)e.value);
+  else if (e.kind == MOK_WS_ERR_PEER_SHAPE)
+    res = mok_fail(l, MOK_ERROR_INVALID_VALUE,
+                   "rank %d of %d: rank %lld's layer has max_tokens %lld, this rank's %lld: every "
+                   "rank must create its layers with the same descriptor, in the same order; no "
+                   "rank computed that call",
+                   l->comm->rank, l->comm->nranks, (long long)e.value, (long long)e.slot,
+                   (long long)e.limit);
   else if (e.kind == MOK_WS_ERR_TIMEOUT)
     res = mok_fail(l, MOK_ERROR_TIMEOUT,
                    "the fused forward's task %lld waited past the timeout on counter %lld (it "

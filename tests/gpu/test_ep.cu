@@ -837,3 +837,24 @@ MOK_TEST(ep_two_gpus_equal_one) {
                      "rank %d: %s differs from W = 1's slice", r, bwd_w_name[i]);
   }
 }
+
+// Ranks whose layers differ (here max_tokens): a virtual rank's layer create refuses a window of
+// another size than rank 0's, naming the rule, and the communicators stay usable. (On real
+// ranks the transport's layout refuses such a call on every rank, and mok_layer_check names the
+// other rank's max_tokens: ep_verdict, MOK_WS_ERR_PEER_SHAPE.)
+MOK_TEST(ep_ranks_with_other_descriptors_are_refused) {
+  NEED_GPU();
+  mok_comm_t c[2] = {NULL, NULL};
+  MOK_REQUIRE(mok_comm_create_virtual(c, 2, 0) == MOK_SUCCESS);
+  mok_layer_desc_t d = test_layer_desc(256, 256, 16, 4, 0, 128);
+  mok_layer_t l0 = NULL, l1 = NULL;
+  MOK_EXPECT(mok_layer_create(&l0, c[0], &d) == MOK_SUCCESS);
+  d.max_tokens = 256;
+  const mokResult_t r = mok_layer_create(&l1, c[1], &d);
+  MOK_EXPECT_MSG(r == MOK_ERROR_INVALID_VALUE && l1 == NULL &&
+                     strstr(mok_last_error(), "same layers in the same order"),
+                 "rank 1's create: %s (%s)", mok_error_string(r), mok_last_error());
+  if (l1) mok_layer_destroy(l1);
+  mok_layer_destroy(l0);
+  MOK_EXPECT(mok_comm_destroy(c[0]) == MOK_SUCCESS && mok_comm_destroy(c[1]) == MOK_SUCCESS);
+}

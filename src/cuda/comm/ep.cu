@@ -36,10 +36,11 @@
 #include "cuda/forward/rows.cuh"
 
 #define EP_THREADS 256
+#define EP_BAD_T_MAX (-2) /* ep_verdict: a rank's layer has another max_tokens (*bad_rows) */
 
 // The call's verdict, the same on every rank: the layout valid and no rank above capacity.
-// *bad_rank: the first rank at fault (-1 when none), *bad_code its slot status (LAYOUT_BAD_*),
-// *bad_rows its rows when over capacity.
+// *bad_rank: the first rank at fault (-1 when none), *bad_code its slot status (LAYOUT_BAD_*, or
+// EP_BAD_T_MAX with its max_tokens in *bad_rows), *bad_rows its rows when over capacity.
 __device__ __forceinline__ int ep_verdict(const mok_tp_params_t &p, int *bad_rank, int *bad_code,
                                           int *bad_rows) {
   *bad_rank = -1, *bad_code = 1, *bad_rows = 0;
@@ -52,6 +53,12 @@ __device__ __forceinline__ int ep_verdict(const mok_tp_params_t &p, int *bad_ran
     for (int s = 0; s < p.nranks && *bad_rank < 0; s++) {
       const int32_t code = tp_ld_peer_i32(slots + s * S + B + 3);
       if (code != 1) *bad_rank = s, *bad_code = code;
+    }
+    // Every status valid: a rank whose layer was made for another max_tokens (header int 1),
+    // which the layout refuses too.
+    for (int s = 0; s < p.nranks && *bad_rank < 0; s++) {
+      const int32_t t_max = tp_ld_peer_i32(slots + s * S + B + 1);
+      if (t_max != p.T_max) *bad_rank = s, *bad_code = EP_BAD_T_MAX, *bad_rows = t_max;
     }
     return 0;
   }
@@ -96,7 +103,10 @@ __global__ void __launch_bounds__(EP_THREADS)
       *p.status = s_ok;
       p.shared_offsets[0] = 0;
       p.shared_offsets[1] = s_ok ? (int32_t)p.T : 0;
-      if (!s_ok && bad_rows > 0) {
+      if (!s_ok && bad_code == EP_BAD_T_MAX) {
+        mok_ws_record_error(err, MOK_ERROR_INVALID_VALUE, MOK_WS_ERR_PEER_SHAPE, 0, bad_rows,
+                            bad_rank, p.T_max);
+      } else if (!s_ok && bad_rows > 0) {
         if (bad_rank == p.rank)
           mok_ws_record_error(err, MOK_ERROR_CAPACITY_OVERFLOW, MOK_WS_ERR_CAPACITY, 0, 0,
                               bad_rows, p.R);
