@@ -170,32 +170,37 @@ def _(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd, saved, quantized
     return [fresh(x), fresh(topk_w)] + [fresh(v) for v in given]
 
 
-@torch.library.custom_op("mok::backward_main_grad", mutates_args=("main_grads",))
+@torch.library.custom_op("mok::backward_main_grad",
+                         mutates_args=("mg_wg", "mg_wu", "mg_wd", "mg_wsg", "mg_wsu", "mg_wsd"))
 def _backward_main_grad_op(layer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
                            topk_w: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor,
                            wd: torch.Tensor, wsg: Optional[torch.Tensor],
                            wsu: Optional[torch.Tensor], wsd: Optional[torch.Tensor],
                            saved: torch.Tensor, quantized: torch.Tensor, dy: torch.Tensor,
-                           main_grads: List[torch.Tensor]) -> List[torch.Tensor]:
-    """[dx, dtopk_w]; the weight gradients are added, in fp32, into main_grads (one per weight
-    given, in the order wg, wu, wd, wsg, wsu, wsd): the layer accumulates (wgrad_accumulate)."""
+                           mg_wg: torch.Tensor, mg_wu: torch.Tensor, mg_wd: torch.Tensor,
+                           mg_wsg: Optional[torch.Tensor], mg_wsu: Optional[torch.Tensor],
+                           mg_wsd: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dtopk_w); the weight gradients are added, in fp32, into mg_* (each weight's
+    main_grad): the layer accumulates (wgrad_accumulate)."""
     layer = _layer(layer_id)
     w = _weights(wg, wu, wd, wsg, wsu, wsd)
     x, topk_w = x.contiguous(), topk_w.contiguous()
     topk_idx = _expert_ids(layer, topk_idx)
     dy = dy.to(torch.bfloat16).contiguous()
     grads = {"dx": torch.empty_like(x), "dtopk_w": torch.empty_like(topk_w)}
-    for k, g in zip(w, main_grads):
-        grads["d" + k] = g
+    for k, g in zip(_NAMES, (mg_wg, mg_wu, mg_wd, mg_wsg, mg_wsu, mg_wsd)):
+        if k in w:
+            grads["d" + k] = g
     layer.backward(x, topk_idx, topk_w, w, saved, dy, grads,
                    quantized if quantized.numel() else None, _stream(x))
-    return [grads["dx"], grads["dtopk_w"]]
+    return grads["dx"], grads["dtopk_w"]
 
 
 @_backward_main_grad_op.register_fake
-def _(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd, saved, quantized, dy, main_grads):
+def _(layer_id, x, topk_idx, topk_w, wg, wu, wd, wsg, wsu, wsd, saved, quantized, dy, mg_wg,
+      mg_wu, mg_wd, mg_wsg, mg_wsu, mg_wsd):
     fresh = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
-    return [fresh(x), fresh(topk_w)]
+    return fresh(x), fresh(topk_w)
 
 
 def _setup_context(ctx, inputs, output):
@@ -215,8 +220,12 @@ def _backward(ctx, dy, _dsaved, _dquantized):
     weights = [next(given) if p else None for p in ctx.present]
     main = getattr(ctx.layer, "main_grads", None)
     if main is not None:  # MoE(main_grad=True): the weight gradients go into param.main_grad
+        if torch.compiler.is_compiling():
+            raise MokError("INVALID_VALUE", "MoE(main_grad=True) runs eagerly only: its backward "
+                                            "adds into param.main_grad, which a compiled graph "
+                                            "cannot see; compile a module without main_grad")
         grads = torch.ops.mok.backward_main_grad(ctx.layer_id, x, topk_idx, topk_w, *weights,
-                                                 saved, quantized, dy, main())
+                                                 saved, quantized, dy, *main())
         return (None, grads[0], None, grads[1], *[None for _ in ctx.present])
     grads = torch.ops.mok.backward(ctx.layer_id, x, topk_idx, topk_w, *weights, saved, quantized,
                                    dy)
@@ -259,7 +268,8 @@ class MoE(torch.nn.Module):
     buffer of its shape (zeros), and each backward ADDS the fp32 weight gradients into it (the
     layer's accumulate mode, one epilogue, no extra pass) instead of producing param.grad, which
     stays None; zero them with moe.zero_main_grad() (or your optimizer's) between steps. The
-    backward then goes through the op mok::backward_main_grad, which mutates the buffers.
+    backward then goes through the op mok::backward_main_grad, which mutates the buffers. Eager
+    only: under torch.compile that backward raises MokError (the buffers are not graph inputs).
     Initialization: the parameters are drawn as a W = 1 module draws them (the full [E, ...]
     tensors, in the same order, from torch's default generator) and each rank keeps its slice,
     so rank r's experts are experts [r EL, (r + 1) EL) of the W = 1 module made after the same
@@ -309,8 +319,8 @@ class MoE(torch.nn.Module):
             if p is not None:
                 p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=self.layer.device)
         ref = weakref.ref(self)
-        self.layer.main_grads = lambda: [getattr(ref(), n).main_grad for n in _NAMES
-                                         if getattr(ref(), n) is not None]
+        self.layer.main_grads = lambda: [None if getattr(ref(), n) is None
+                                         else getattr(ref(), n).main_grad for n in _NAMES]
 
     def zero_main_grad(self):
         """main_grad of every parameter to zero (MoE(main_grad=True))."""

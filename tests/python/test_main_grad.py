@@ -60,3 +60,15 @@ def test_main_grad_accumulates_on_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: bitwise on a GPU")
 def test_main_grad_accumulates_on_gpu_bitwise():
     run("cuda", exact=True)
+
+
+def test_main_grad_under_compile_raises_clearly():
+    """main_grad mode is eager only: compiled, its backward raises MokError saying so (the buffers
+    are not inputs of the compiled graph)."""
+    torch.manual_seed(0)
+    m = MoE(H, I, E, K, max_tokens=T, device="cpu", main_grad=True)
+    x, idx, tw = batch(0, "cpu")
+    x.requires_grad_()
+    c = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="eagerly only"):
+        c(x, idx, tw).float().sum().backward()
