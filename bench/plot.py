@@ -13,6 +13,9 @@ its title). MoK against the baseline the rows name, the ratio MoK / baseline ove
                  torch._scaled_grouped_mm rowwise (fp8).
   transport.png  bench/transport.py: GB/s per direction of dispatch, combine and combine + sum
                  per SM count, two H200s, against NCCL all_to_all_single moving the same bytes.
+  ep.png         bench/ep.py: TFLOP/s of the layer per model at W = 1, 2, 4 ranks, forward and
+                 forward + backward, the ratio to W = 1 over each W > 1 bar (virtual ranks on one
+                 GPU share its SMs: the cost of the expert-parallel path, not scaling).
 Needs matplotlib (drawn with the Agg backend: no display).
 """
 import argparse
@@ -137,6 +140,42 @@ def plot_transport(plt, rows, path):
     plt.close(fig)
 
 
+def plot_ep(plt, rows, path):
+    colors = {1: MOK, 2: "tab:orange", 4: "tab:green"}
+    ranks = sorted({r["ranks"] for r in rows.values()})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    used = []
+    width = 0.8 / len(ranks)
+    for ax, suffix, title in ((axes[0], "", "forward"), (axes[1], "/fwd+bwd", "forward + backward")):
+        for i, model in enumerate(MODELS):
+            w1 = rows.get(f"{model}/T16384/W1{suffix}")
+            for j, w in enumerate(ranks):
+                r = rows.get(f"{model}/T16384/W{w}{suffix}")
+                if not r or "tflops" not in r:
+                    continue
+                used.append(r)
+                x = i + (j - (len(ranks) - 1) / 2) * width
+                ax.bar(x, r["tflops"], width, color=colors.get(w, BASE))
+                if w > 1 and w1:
+                    ax.text(x, r["tflops"], f"{r['tflops'] / w1['tflops']:.2f}x", ha="center",
+                            va="bottom", fontsize=7)
+        ax.set_xticks(range(len(MODELS)))
+        ax.set_xticklabels([MODEL_NAMES[m] for m in MODELS], fontsize=8)
+        ax.set_title(f"{title}, T = 16384 in all", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.margins(y=0.08)
+    axes[0].set_ylabel("TFLOP/s")
+    from matplotlib.patches import Patch
+    fig.suptitle(f"expert parallelism, W virtual ranks on one {used[0]['device']} "
+                 f"(bench/ep.py, {commits(used)})", fontsize=10)
+    fig.legend(handles=[Patch(color=colors.get(w, BASE), label=f"W = {w}") for w in ranks],
+               loc="lower center", ncol=len(ranks), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="the benchmark results as PNGs")
     p.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -147,7 +186,7 @@ def main(argv=None):
     import matplotlib.pyplot as plt
     os.makedirs(args.out, exist_ok=True)
     for name, draw in (("forward", plot_forward), ("gemm", plot_gemm),
-                       ("transport", plot_transport)):
+                       ("transport", plot_transport), ("ep", plot_ep)):
         path = os.path.join(args.out, name + ".png")
         draw(plt, latest(os.path.join(args.results, name + ".jsonl")), path)
         print(f"wrote {path}")

@@ -1,4 +1,4 @@
-"""test_plot.py: bench/plot.py draws its three PNGs from the committed results, and takes each
+"""test_plot.py: bench/plot.py draws its four PNGs from the committed results, and takes each
 case's last row (the benchmarks append in run order). Skips without matplotlib."""
 import json
 import os
@@ -15,11 +15,11 @@ import plot  # noqa: E402
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_draws_the_three_pngs(tmp_path):
+def test_draws_the_four_pngs(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot.py"), "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
-    for name in ("forward", "gemm", "transport"):
+    for name in ("forward", "gemm", "transport", "ep"):
         with open(tmp_path / f"{name}.png", "rb") as f:
             assert f.read(8) == PNG_MAGIC, name
 
