@@ -19,6 +19,7 @@
 
 #include "cpu/layout.h"
 #include "common/task_plan.h"
+#include "support/plan_layout.h"
 #include "support/rng.h"
 #include "test.h"
 
@@ -33,25 +34,18 @@ typedef struct {
 } problem_t;
 
 static int64_t tile_rows(const problem_t *pb, int32_t e, int32_t m) {
-  const int64_t rows = pb->lay.expert_rows[e] - (int64_t)m * BM;
-  return rows < BM ? rows : BM;
+  return plan_tile_rows(&pb->lay, e, m, BM);
 }
 
 /* Token of row r of expert e's tile m. */
 static int64_t row_token(const problem_t *pb, int32_t e, int32_t m, int64_t r) {
-  return pb->lay.row_from[0][pb->lay.expert_start[e] + (int64_t)m * BM + r].token;
+  return plan_row_token(&pb->lay, e, m, r, BM);
 }
 
-/* Calls f(block) once for each token block the rows of DOWN tile (e, m) touch, as the kernel's
- * epilogue would: rows are sorted by token, so blocks come in runs. */
+/* Calls f(block) once for each token block the rows of DOWN tile (e, m) touch. */
 static void for_each_block(const problem_t *pb, int32_t e, int32_t m, void (*f)(void *, int64_t),
                            void *arg) {
-  int64_t last = -1;
-  for (int64_t r = 0; r < tile_rows(pb, e, m); r++) {
-    const int64_t b = row_token(pb, e, m, r) / BM;
-    if (b != last) f(arg, b);
-    last = b;
-  }
+  plan_for_each_block(&pb->lay, e, m, BM, f, arg);
 }
 
 static void add_target(void *arg, int64_t b) { ((problem_t *)arg)->down_target[b] += ((problem_t *)arg)->plan.n_down; }
@@ -60,27 +54,8 @@ static void add_target(void *arg, int64_t b) { ((problem_t *)arg)->down_target[b
 static int problem_init(problem_t *pb, uint64_t seed, int64_t T, int32_t E, int64_t K, int shared,
                         int32_t n_gu, int32_t n_down) {
   memset(pb, 0, sizeof(*pb));
-  test_rng_t s = test_rng(seed);
-  int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t k = 0; k < K; k++) {
-      int32_t e;
-      int dup;
-      do { /* skewed: expert 0 takes about a third of the rows; some slots empty */
-        uint64_t r = test_rng_u64(&s);
-        e = r % 3 == 0 ? 0 : (int32_t)((r >> 8) % (uint64_t)E);
-        if ((r >> 20) % 11 == 0) e = -1;
-        dup = 0;
-        for (int64_t j = 0; j < k; j++) dup |= e >= 0 && idx[t * K + j] == e;
-      } while (dup);
-      idx[t * K + k] = e;
-    }
-  const int32_t *rows[1] = {idx};
-  int ok = mok_layout_build(&pb->lay, 1, E, K, 1, &T, rows, NULL, 0) == MOK_SUCCESS;
-  free(idx);
-  if (!ok) return 0;
+  if (!plan_layout_random(&pb->lay, pb->mt_pre, seed, T, E, K, 0, BM)) return 0;
   pb->T = T, pb->K = K;
-  for (int32_t e = 0; e < E; e++) pb->mt_pre[e + 1] = pb->mt_pre[e] + (int32_t)((pb->lay.expert_rows[e] + BM - 1) / BM);
   pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0, 0};
   pb->down_target = calloc((size_t)pb->plan.t_tiles + 1, sizeof(int64_t));
   for (int32_t e = 0; e < E; e++)

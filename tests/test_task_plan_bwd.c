@@ -18,8 +18,7 @@
 #include <string.h>
 
 #include "common/task_plan_bwd.h"
-#include "cpu/layout.h"
-#include "support/rng.h"
+#include "support/plan_layout.h"
 #include "test.h"
 
 enum { BM = 4, MAXE = 16 }; /* rows per tile and tokens per block in these small shapes */
@@ -32,42 +31,17 @@ typedef struct {
   int64_t *dx_target; /* [t_tiles] */
 } bproblem_t;
 
-static int64_t tile_rows(const bproblem_t *pb, int32_t e, int32_t m) {
-  const int64_t rows = pb->lay.expert_rows[e] - (int64_t)m * BM;
-  return rows < BM ? rows : BM;
-}
-
-static int64_t row_block(const bproblem_t *pb, int32_t e, int32_t m, int64_t r) {
-  return pb->lay.row_from[0][pb->lay.expert_start[e] + (int64_t)m * BM + r].token / BM;
+static void add_dx_target(void *arg, int64_t b) {
+  bproblem_t *pb = arg;
+  pb->dx_target[b] += pb->plan.n_dx;
 }
 
 /* A random routing (expert 0 hot, some experts without rows, empty slots), then the plan. */
 static int bproblem_init(bproblem_t *pb, uint64_t seed, int64_t T, int32_t E, int64_t K,
                          int shared, int recompute, int group_m, int lag_dx, int lag_dw) {
   memset(pb, 0, sizeof(*pb));
-  test_rng_t s = test_rng(seed);
-  int32_t *idx = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t k = 0; k < K; k++) {
-      int32_t e;
-      int dup;
-      do {
-        const uint64_t r = test_rng_u64(&s);
-        e = r % 3 == 0 ? 0 : (int32_t)((r >> 8) % (uint64_t)E);
-        if (E > 3 && e == E - 1) e = 1;  /* expert E - 1 never gets rows */
-        if ((r >> 20) % 11 == 0) e = -1;
-        dup = 0;
-        for (int64_t j = 0; j < k; j++) dup |= e >= 0 && idx[t * K + j] == e;
-      } while (dup);
-      idx[t * K + k] = e;
-    }
-  const int32_t *rows[1] = {idx};
-  const int ok = mok_layout_build(&pb->lay, 1, E, K, 1, &T, rows, NULL, 0) == MOK_SUCCESS;
-  free(idx);
-  if (!ok) return 0;
+  if (!plan_layout_random(&pb->lay, pb->mt_pre, seed, T, E, K, 1, BM)) return 0;
   pb->T = T;
-  for (int32_t e = 0; e < E; e++)
-    pb->mt_pre[e + 1] = pb->mt_pre[e] + (int32_t)((pb->lay.expert_rows[e] + BM - 1) / BM);
   mok_bwd_plan_t p;
   memset(&p, 0, sizeof(p));
   p.E = E, p.recompute = recompute, p.n_gu = 2, p.n_ds = 2, p.n_dx = 3;
@@ -80,15 +54,9 @@ static int bproblem_init(bproblem_t *pb, uint64_t seed, int64_t T, int32_t E, in
   p.lag_dx = lag_dx, p.lag_dw = lag_dw, p.group_m = group_m, p.shared_band = 3;
   pb->plan = p;
   pb->dx_target = calloc((size_t)p.t_tiles + 1, sizeof(int64_t));
-  for (int32_t e = 0; e < E; e++)
-    for (int32_t m = 0; m < pb->mt_pre[e + 1] - pb->mt_pre[e]; m++) {
-      int64_t last = -1;  /* each DX tile adds 1 for each block its rows touch */
-      for (int64_t r = 0; r < tile_rows(pb, e, m); r++) {
-        const int64_t b = row_block(pb, e, m, r);
-        if (b != last) pb->dx_target[b] += p.n_dx;
-        last = b;
-      }
-    }
+  for (int32_t e = 0; e < E; e++)  /* each DX tile adds 1 for each block its rows touch */
+    for (int32_t m = 0; m < pb->mt_pre[e + 1] - pb->mt_pre[e]; m++)
+      plan_for_each_block(&pb->lay, e, m, BM, add_dx_target, pb);
   return 1;
 }
 
@@ -116,6 +84,13 @@ typedef struct {
 } bsim_t;
 
 static int64_t find(const bsim_t *s, mok_task_t t) { return s->index_of[bkey(&s->pb->plan, t)]; }
+
+/* plan_for_each_block callbacks: a touched block's mark ({block, touched}), a DX release. */
+static void mark_block(void *arg, int64_t b) {
+  int64_t *m = arg;
+  m[1] |= b == m[0];
+}
+static void add_dx(void *arg, int64_t b) { ((bsim_t *)arg)->dx[b]++; }
 
 /* Calls f(task) for every task whose output t reads, derived from the layout. */
 static void for_each_input(const bsim_t *s, mok_task_t t, void (*f)(void *, int64_t), void *arg) {
@@ -158,10 +133,9 @@ static void for_each_input(const bsim_t *s, mok_task_t t, void (*f)(void *, int6
     case MOK_BTASK_REDUCE_DX:
       for (int32_t e = 0; e < p->E; e++)
         for (int32_t m = 0; m < p->mt_pre[e + 1] - p->mt_pre[e]; m++) {
-          int touches = 0;
-          for (int64_t r = 0; r < tile_rows(s->pb, e, m); r++)
-            touches |= row_block(s->pb, e, m, r) == t.m;
-          if (!touches) continue;
+          int64_t touches[2] = {t.m, 0};
+          plan_for_each_block(&s->pb->lay, e, m, BM, mark_block, touches);
+          if (!touches[1]) continue;
           mok_task_t d = {MOK_BTASK_DX, e, m, 0};
           for (d.n = 0; d.n < p->n_dx; d.n++) f(arg, find(s, d));
         }
@@ -217,15 +191,7 @@ static void release(bsim_t *s, mok_task_t t) {
   switch (t.kind) {
     case MOK_BTASK_GATE_UP: s->rgu[row]++; break;
     case MOK_BTASK_DS: s->ds[row]++, s->ds_exp[t.expert]++; break;
-    case MOK_BTASK_DX: {
-      int64_t last = -1;
-      for (int64_t r = 0; r < tile_rows(s->pb, t.expert, t.m); r++) {
-        const int64_t b = row_block(s->pb, t.expert, t.m, r);
-        if (b != last) s->dx[b]++;
-        last = b;
-      }
-      break;
-    }
+    case MOK_BTASK_DX: plan_for_each_block(&s->pb->lay, t.expert, t.m, BM, add_dx, s); break;
     case MOK_BTASK_SHARED_GATE_UP: s->sgu[t.m]++; break;
     case MOK_BTASK_SHARED_DS: s->sds[t.m]++, s->sds_all++; break;
     case MOK_BTASK_SHARED_DX: s->sdx[t.m]++; break;
