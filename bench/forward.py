@@ -20,8 +20,12 @@ top-8 routing drawn uniformly at random. Each case first checks MoK's y against 
 CUDA events after warm-up (median; --timing blocked by default: each function runs back to back in
 blocks of launches, about --block-ms for the first, and the second half of each block is timed, so
 that each runs at the clock its own power draw allows; see gemm.py's time_ms).
-FLOPs: 6 T K H I + 6 T H Is. Appends one JSON object per case to --jsonl (default
-bench/results/forward.jsonl).
+FLOPs: 6 T K H I + 6 T H Is. The same run times the dense ceiling: the layer's GEMMs as dense
+cuBLAS matmuls with all T K routed rows as one expert (dense_ceiling), forward and forward +
+backward; ceiling_ratio = ceiling_ms / mok_ms (1.0 would be dense-GEMM speed). The forward +
+backward row also gives the memory: MoK's workspace + context bytes (mok_mem_bytes) against the
+pipeline's peak allocation above its starting point during a step (baseline_mem_bytes). Appends
+one JSON object per case to --jsonl (default bench/results/forward.jsonl).
 
     python3 bench/forward.py [--commit SHA] [--cases substring] [--timing blocked|interleaved]
                              [--variant NAME:FIELD=VALUE ...] [--profile] [--wgrad auto]
@@ -38,7 +42,8 @@ libmok_bench.so) are loaded through the binding too, and timed through the publi
 own defaults: no tuning calls on them.
 
 --profile also prints the device time of every kernel of the fused forward, the chain, the
-pipeline and each --variant / --lib-b (torch.profiler, mean of a few launches). (The fused
+pipeline, each --variant / --lib-b and MoK's forward + backward step (torch.profiler, mean of a
+few launches). (The fused
 kernel's task trace is gone; docs/performance.md, "Fused forward: where the time goes", keeps
 what it showed.)
 
@@ -105,6 +110,39 @@ def torch_pipeline(x, idx, tw, wgu_t, wd_t, shared):
         as_ = (F.silu((x @ wsg.t()).float()) * (x @ wsu.t()).float()).bfloat16()
         y += (as_ @ wsd.t()).float()
     return y.bfloat16()
+
+
+def dense_ceiling(T_, H, I, K, Is, dev, gen):
+    """(forward, forward + backward): functions running the layer's GEMMs as dense cuBLAS bf16
+    matmuls (torch.matmul into preallocated outputs) with all T K routed rows as one expert and
+    the shared expert on the T tokens: the same FLOPs with none of the MoE's gathers, groups or
+    epilogues, the ceiling MoK is measured against (ceiling_ratio = ceiling_ms / mok_ms).
+    Forward: [M, H]·[H, 2I] and [M, I]·[I, H] (M = T K); backward adds ds = [M, H]·[H, I],
+    dx = [M, 2I]·[2I, H] (one reduction of 2I, as MoK's), dWd = [H, M]·[M, I] and
+    dWgu = [2I, M]·[M, H]; the shared expert the same with T rows and Is."""
+    def r(*shape):
+        return torch.randn(*shape, device=dev, generator=gen).bfloat16()
+    parts = [(T_ * K, I)] + ([(T_, Is)] if Is else [])
+    bufs = []
+    for M, N in parts:
+        b = dict(x=r(M, H), wgu=r(H, 2 * N), gu=r(M, 2 * N), wd=r(N, H), a=r(M, N), y=r(M, H),
+                 wdt=r(H, N), ds=r(M, N), wgut=r(2 * N, H), dx=r(M, H), dwd=r(H, N),
+                 dwgu=r(2 * N, H))
+        bufs.append(b)
+
+    def fwd():
+        for b in bufs:
+            torch.matmul(b["x"], b["wgu"], out=b["gu"])
+            torch.matmul(b["a"], b["wd"], out=b["y"])
+
+    def fwd_bwd():
+        fwd()
+        for b in bufs:
+            torch.matmul(b["y"], b["wdt"], out=b["ds"])
+            torch.matmul(b["gu"], b["wgut"], out=b["dx"])
+            torch.matmul(b["y"].t(), b["a"], out=b["dwd"])
+            torch.matmul(b["gu"].t(), b["x"], out=b["dwgu"])
+    return fwd, fwd_bwd, bufs
 
 
 # mok_bench_layer_tune's field names (bench/driver/mok_bench.h, src/common/tuning.h)
@@ -319,6 +357,15 @@ def run_case(model, args, gen):
     for layer_b, lib_b in layers_b:
         with_lib(layer_b.close, lib_b)()
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
+    # the dense ceiling, forward and forward + backward, timed here where its buffers fit
+    dense_fwd, dense_fwd_bwd, dense_bufs = dense_ceiling(T, H, I, K, Is, dev, gen)
+    ceiling_ms, ceiling_fb_ms = time_ms([dense_fwd, dense_fwd_bwd], args.warmup, args.reps,
+                                        args.rounds)
+    dense_bufs.clear()
+    dense_fwd = dense_fwd_bwd = None
+    torch.cuda.empty_cache()
+    row.update(ceiling_ms=ceiling_ms, ceiling_ratio=ceiling_ms / mok_ms,
+               ceiling_tflops=flops / ceiling_ms * 1e-9)
     row.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                tflops=flops / mok_ms * 1e-9, baseline_tflops=flops / base_ms * 1e-9,
                chain_ms=chain_ms, chain_ratio=base_ms / chain_ms,
@@ -384,7 +431,8 @@ def run_case(model, args, gen):
                 rel_err_vs_baseline=max(errs.values()),
                 rel_errs=errs, baseline=row["baseline"] + ", torch.autograd backward")
     for k in ("mok_ms", "baseline_ms", "ratio", "tflops", "baseline_tflops", "chain_ms",
-              "chain_ratio", "fused_equals_chain", *variants,
+              "chain_ratio", "fused_equals_chain", "ceiling_ms", "ceiling_ratio",
+              "ceiling_tflops", *variants,
               *[k for k in brow if k.endswith("_mhz")]):
         brow.pop(k, None)
     if not max(errs.values()) < 2e-2:
@@ -395,7 +443,19 @@ def run_case(model, args, gen):
         layer.check()
         brow.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                     tflops=3 * flops / mok_ms * 1e-9, baseline_tflops=3 * flops / base_ms * 1e-9,
+                    ceiling_ms=ceiling_fb_ms, ceiling_ratio=ceiling_fb_ms / mok_ms,
                     **clock_fields(["mok", "baseline"]))
+        # memory: MoK's workspace and context (the library's own allocations) against the
+        # pipeline's peak above what the step starts with (its saved activations and temporaries)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        start = torch.cuda.memory_allocated(dev)
+        base_step()
+        torch.cuda.synchronize()
+        brow.update(mok_mem_bytes=layer.workspace_bytes() + layer.context_bytes(),
+                    baseline_mem_bytes=torch.cuda.max_memory_allocated(dev) - start)
+        if args.profile:
+            print_kernel_times(model, "fwd+bwd", mok_step)
     rows.append(brow)
     layer.close()
     return rows
@@ -428,7 +488,7 @@ def main():
                          "pipeline's dtype), or auto: fp32, bf16 where fp32 ones do not fit")
     ap.add_argument("--profile", action="store_true",
                     help="print the device time of each kernel of the fused forward, the chain, "
-                         "the pipeline, and each --variant and --lib-b")
+                         "the pipeline, each --variant and --lib-b, and MoK's forward + backward")
     add_timing_args(ap)
     args = ap.parse_args()
     set_timing(args.timing, args.block_ms)
@@ -438,7 +498,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(2026)
     rows = []
     print(f"{'case':28s} {'mok ms':>8s} {'TF/s':>6s} {'torch ms':>9s} {'TF/s':>6s} {'ratio':>6s} "
-          f"{'rel err':>8s} {'chain ms':>9s}")
+          f"{'rel err':>8s} {'chain ms':>9s} {'ceiling':>8s}")
     for model in MODELS:
         if not case_selected(model, args.cases):
             continue
@@ -450,7 +510,8 @@ def main():
             if "mok_ms" in r:
                 print(f"{r['case']:28s} {r['mok_ms']:8.3f} {r['tflops']:6.0f} {r['baseline_ms']:9.3f} "
                       f"{r['baseline_tflops']:6.0f} {r['ratio']:6.2f} {r['rel_err_vs_baseline']:8.2g} "
-                      f"{r.get('chain_ms', float('nan')):9.3f}" +
+                      f"{r.get('chain_ms', float('nan')):9.3f} "
+                      f"{r.get('ceiling_ratio', float('nan')):8.3f}" +
                       "".join(f" | {k[8:-3]} {v:.3f}" for k, v in r.items()
                               if k.startswith("variant_") and k.endswith("_ms")) +
                       "".join(f" | {k[4:-3]} {v:.3f}" for k, v in r.items()

@@ -32,7 +32,7 @@
  *   dyg            [R, H] bf16         gathered dy rows, expert order
  *   ds             [R, I] fp32         dy_g · Wd[e]: gradient w.r.t. a
  *   dg, du         [R, I] bf16         SwiGLU backward
- *   dxk            [R, H] fp32         dg · Wg[e] + du · Wu[e], rounded to bf16 by the dx reduce
+ *   dxk            [R, H] bf16         bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I
  *   dw_row         [R] fp32            Σ_i ds_i · s_i of each row (dtopk_w in expert order)
  *   dss            [T_max, Is] fp32    shared dy · Wsd
  *   dgs, dus       [T_max, Is] bf16    shared SwiGLU backward
@@ -227,7 +227,7 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_DS] = off, off = mok_ws_align(off + R * I * 4);
   l->ws[MOK_WS_DG] = off, off = mok_ws_align(off + R * I * 2);
   l->ws[MOK_WS_DU] = off, off = mok_ws_align(off + R * I * 2);
-  l->ws[MOK_WS_DXK] = off, off = mok_ws_align(off + R * H * 4);
+  l->ws[MOK_WS_DXK] = off, off = mok_ws_align(off + R * H * 2);
   l->ws[MOK_WS_DW_ROW] = off, off = mok_ws_align(off + R * 4);
   l->ws[MOK_WS_DSS] = off, off = mok_ws_align(off + T * Is * 4);
   l->ws[MOK_WS_DGS] = off, off = mok_ws_align(off + T * Is * 2);

@@ -10,13 +10,18 @@
  *                          shared gate/up on x -> gs, us [T, Is]
  *   ds GEMM                ds [R, I] fp32 = dyg · Wd[e]            (B N-major: Wd as [E, H, I])
  *   SwiGLU backward        a, dg, du [R, I] bf16, dw_row [R] fp32  (backward/swiglu.cu)
- *   dxk GEMMs              dxk [R, H] fp32 = dg · Wg[e], += du · Wu[e]   (Wg as [E, I, H])
+ *   dxk GEMM               dxk [R, H] bf16 = bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I
+ *                          (Wg as [E, I, H]; the GEMM's second segment, gemm.h)
  *   shared expert (Is > 0) dss [T, Is] = dy · Wsd; SwiGLU backward with w = 1 -> as, dgs, dus;
- *                          dxs [T, H] fp32 = dgs · Wsg + dus · Wsu
- *   dx reduce              dx [T, H] = bf16(dxs + Σ_k bf16(dxk[row(t, k)])), dtopk_w [T, K]
+ *                          dxs [T, H] fp32 = dgs · Wsg + dus · Wsu (one reduction of 2 Is)
  *   weight gradients       dWd[e] = dygᵀ · a, dWg[e] = dgᵀ · xg, dWu[e] = duᵀ · xg over the rows
  *                          of expert e in layout order; dWsd = dyᵀ · as, dWsg = dgsᵀ · x,
  *                          dWsu = dusᵀ · x (mok_grouped_wgrad_launch)
+ *   dx reduce              dx [T, H] = bf16(dxs + Σ_k dxk[row(t, k)]), dtopk_w [T, K]
+ *
+ * The steps from the gate/up recompute to the weight gradients are the local chain
+ * (mok_gpu_backward_local), which the expert-parallel backward (gpu/backward_ep.c) runs too, on
+ * the rows its rank's experts received.
  *
  * The routing (slot_row, offsets) and, in SAVE mode, g and u come from the context; the
  * workspace (src/common/workspace.h) is scratch, so a forward of other tokens between this call's forward
@@ -58,14 +63,126 @@ static mokResult_t bwd_zero_wgrads(mok_layer_t l, const mok_backward_args_t *g, 
   return MOK_SUCCESS;
 }
 
-/* ---- the chain -------------------------------------------------------------------------------- */
+/* ---- the local chain ------------------------------------------------------------------------- */
+
+mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
+                                   const mok_backward_args_t *gr, const mok_bwd_rows_t *c,
+                                   void *stream) {
+  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
+                Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
+  const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = Is > 0 && T > 0;
+  const mok_ws_layout_t *lay = &l->gpu->lay; /* computed once, at mok_layer_create */
+  mokResult_t r;
+#define WS(region) mok_gpu_ws(l, region)
+#define CTX(region) ((const void *)(c->ctx + lay->ctx[region]))
+
+  /* bf16 g, u: saved by forward, or recomputed here by the forward's own GEMMs. */
+  const void *g = save ? CTX(MOK_CTX_G) : WS(MOK_WS_G), *u = save ? CTX(MOK_CTX_U) : WS(MOK_WS_U);
+  const void *gs = save ? CTX(MOK_CTX_GS) : WS(MOK_WS_GS);
+  const void *us = save ? CTX(MOK_CTX_US) : WS(MOK_WS_US);
+  if (!save) {
+    mok_grouped_gemm_params_t gu =
+        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, E, R, I, H);
+    gu.a = WS(MOK_WS_XG);         /* [R, H] */
+    gu.b = a->w.wg;               /* [E, I, H] */
+    gu.b2 = a->w.wu;
+    gu.offsets = c->offsets;
+    gu.c = WS(MOK_WS_A);          /* [R, I] forward's a: unused, overwritten below */
+    gu.row_scale = c->row_w;
+    gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U); /* [R, I] */
+    if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "recompute gate/up", stream)) != MOK_SUCCESS)
+      return r;
+    if (shared) {
+      mok_grouped_gemm_params_t sgu =
+          mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
+      sgu.a = a->x;               /* [T, H] */
+      sgu.b = a->w.wsg, sgu.b2 = a->w.wsu; /* [Is, H] */
+      sgu.offsets = c->shared_offsets;
+      sgu.c = WS(MOK_WS_AS);      /* [T, Is], overwritten below */
+      sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
+      if ((r = mok_gpu_gemm(l, &sgu, "mok_backward", "recompute shared gate/up", stream)) !=
+          MOK_SUCCESS)
+        return r;
+    }
+  }
+
+  /* ds [R, I] = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major). */
+  mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
+  dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
+  if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
+
+  /* SwiGLU backward: a, dg, du [R, I], dw_row [R]. */
+  mok_bwd_swiglu_params_t sb;
+  memset(&sb, 0, sizeof(sb));
+  sb.num_groups = E, sb.m_total = R, sb.n = I, sb.offsets = c->offsets;
+  sb.g = g, sb.u = u, sb.ds = (const float *)WS(MOK_WS_DS), sb.row_w = c->row_w;
+  sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
+  sb.dw_row = (float *)WS(MOK_WS_DW_ROW);
+  if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
+
+  /* dxk [R, H] bf16 = bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I (Wg [E, I, H] is
+   * B [E, K = I, N = H]; Wu the second segment's). */
+  mok_grouped_gemm_params_t dx = mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_NMAJOR, E, R, H, I);
+  dx.a = WS(MOK_WS_DG), dx.b = a->w.wg, dx.offsets = c->offsets, dx.c = WS(MOK_WS_DXK);
+  dx.a2 = WS(MOK_WS_DU), dx.b2 = a->w.wu, dx.k2 = I;
+  if ((r = mok_gpu_gemm(l, &dx, "mok_backward", "routed dx", stream)) != MOK_SUCCESS) return r;
+
+  /* Shared expert: one group [0, T) of dy and x themselves, weight 1, no router gradient. */
+  if (shared) {
+    mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
+    ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = c->shared_offsets; /* Wsd [H, Is] = [K, N] */
+    ss.c = WS(MOK_WS_DSS);                                          /* [T, Is] */
+    if ((r = mok_gpu_gemm(l, &ss, "mok_backward", "shared ds", stream)) != MOK_SUCCESS) return r;
+    mok_bwd_swiglu_params_t ssb;
+    memset(&ssb, 0, sizeof(ssb));
+    ssb.num_groups = 1, ssb.m_total = T, ssb.n = Is, ssb.offsets = c->shared_offsets;
+    ssb.g = gs, ssb.u = us, ssb.ds = (const float *)WS(MOK_WS_DSS), ssb.row_w = NULL;
+    ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
+    if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
+    mok_grouped_gemm_params_t sx = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
+    sx.a = WS(MOK_WS_DGS), sx.b = a->w.wsg, sx.offsets = c->shared_offsets; /* Wsg [Is, H] */
+    sx.a2 = WS(MOK_WS_DUS), sx.b2 = a->w.wsu, sx.k2 = Is; /* one reduction of 2 Is */
+    sx.c = WS(MOK_WS_DXS);                                /* [T, H] fp32 */
+    if ((r = mok_gpu_gemm(l, &sx, "mok_backward", "shared dx", stream)) != MOK_SUCCESS) return r;
+  }
+
+  /* Weight gradients, reductions over each expert's rows in layout order. */
+  float *stage = (float *)WS(MOK_WS_WGRAD32);
+  if ((r = mok_gpu_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), c->offsets, gr->dwd, stage,
+                         "routed down", stream)) != MOK_SUCCESS ||
+      (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), c->offsets, gr->dwg, stage,
+                         "routed gate", stream)) != MOK_SUCCESS ||
+      (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), c->offsets, gr->dwu, stage,
+                         "routed up", stream)) != MOK_SUCCESS)
+    return r;
+  if (shared) {
+    if ((r = mok_gpu_wgrad(l, 1, T, H, Is, gr->dy, WS(MOK_WS_AS), c->shared_offsets, gr->dwsd,
+                           stage, "shared down", stream)) != MOK_SUCCESS ||
+        (r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DGS), a->x, c->shared_offsets, gr->dwsg,
+                           stage, "shared gate", stream)) != MOK_SUCCESS ||
+        (r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DUS), a->x, c->shared_offsets, gr->dwsu,
+                           stage, "shared up", stream)) != MOK_SUCCESS)
+      return r;
+  } else if (Is > 0 && !l->d.wgrad_accumulate) { /* T = 0 on this rank: zero shared gradients */
+    const size_t el = l->d.wgrad_dtype == MOK_WGRAD_BF16 ? 2 : 4, n = (size_t)(Is * H) * el;
+    void *dst[3] = {gr->dwsg, gr->dwsu, gr->dwsd};
+    for (int i = 0; i < 3; i++) {
+      const cudaError_t e = cudaMemsetAsync(dst[i], 0, n, (cudaStream_t)stream);
+      if (e != cudaSuccess) return mok_gpu_cuda_fail(l, "mok_backward: cudaMemsetAsync", e);
+    }
+  }
+#undef WS
+#undef CTX
+  return MOK_SUCCESS;
+}
+
+/* ---- W = 1 -------------------------------------------------------------------------------------- */
 
 static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *gr, const char *ctx, void *stream) {
-  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
-                Is = l->d.shared_intermediate, E = l->EL, K = l->d.top_k, R = l->capacity_rows;
-  const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
-  const mok_ws_layout_t *lay = &l->gpu->lay; /* computed once, at mok_layer_create */
+  const int64_t T = a->num_tokens, H = l->d.hidden, Is = l->d.shared_intermediate, E = l->EL,
+                K = l->d.top_k, R = l->capacity_rows;
+  const mok_ws_layout_t *lay = &l->gpu->lay;
 #define WS(region) mok_gpu_ws(l, region)
 #define CTX(region) ((const void *)(ctx + lay->ctx[region]))
 
@@ -83,7 +200,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   p.status = (int32_t *)WS(MOK_WS_STATUS);
   p.offsets = (int32_t *)WS(MOK_WS_OFFSETS);
   p.shared_offsets = (int32_t *)WS(MOK_WS_SHARED_OFFSETS);
-  p.dxk = (const float *)WS(MOK_WS_DXK);                   /* [R, H] */
+  p.dxk = WS(MOK_WS_DXK);                                  /* [R, H] bf16 */
   p.dxs = Is > 0 ? (const float *)WS(MOK_WS_DXS) : NULL;   /* [T, H] */
   p.dw_row = (const float *)WS(MOK_WS_DW_ROW);             /* [R] */
   p.dx = gr->dx;
@@ -106,113 +223,11 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   gp.x = gr->dy, gp.xg = WS(MOK_WS_DYG);
   if ((r = mok_fwd_gather_launch(&gp, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
-  /* bf16 g, u: saved by forward, or recomputed here by the forward's own GEMMs. */
-  const void *g = save ? CTX(MOK_CTX_G) : WS(MOK_WS_G), *u = save ? CTX(MOK_CTX_U) : WS(MOK_WS_U);
-  const void *gs = save ? CTX(MOK_CTX_GS) : WS(MOK_WS_GS);
-  const void *us = save ? CTX(MOK_CTX_US) : WS(MOK_WS_US);
-  if (!save) {
-    mok_grouped_gemm_params_t gu =
-        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, E, R, I, H);
-    gu.a = WS(MOK_WS_XG);         /* [R, H] */
-    gu.b = a->w.wg;               /* [E, I, H] */
-    gu.b2 = a->w.wu;
-    gu.offsets = p.offsets;
-    gu.c = WS(MOK_WS_A);          /* [R, I] forward's a: unused, overwritten below */
-    gu.row_scale = gp.row_w;
-    gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U); /* [R, I] */
-    if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "recompute gate/up", stream)) !=
-        MOK_SUCCESS)
-      return r;
-    if (Is > 0) {
-      mok_grouped_gemm_params_t sgu =
-          mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
-      sgu.a = a->x;               /* [T, H] */
-      sgu.b = a->w.wsg, sgu.b2 = a->w.wsu; /* [Is, H] */
-      sgu.offsets = p.shared_offsets;
-      sgu.c = WS(MOK_WS_AS);      /* [T, Is], overwritten below */
-      sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
-      if ((r = mok_gpu_gemm(l, &sgu, "mok_backward", "recompute shared gate/up", stream)) !=
-          MOK_SUCCESS)
-        return r;
-    }
-  }
-
-  /* 3. ds [R, I] = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major). */
-  mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
-  dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = p.offsets, dsp.c = WS(MOK_WS_DS);
-  if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
-
-  /* 4. SwiGLU backward: a, dg, du [R, I], dw_row [R]. */
-  mok_bwd_swiglu_params_t sb;
-  memset(&sb, 0, sizeof(sb));
-  sb.num_groups = E, sb.m_total = R, sb.n = I, sb.offsets = p.offsets;
-  sb.g = g, sb.u = u, sb.ds = (const float *)WS(MOK_WS_DS), sb.row_w = gp.row_w;
-  sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
-  sb.dw_row = (float *)WS(MOK_WS_DW_ROW);
-  if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-
-  /* 5. dxk [R, H] fp32 = dg · Wg[e] + du · Wu[e] (Wg [E, I, H] is B [E, K = I, N = H]). */
-  mok_grouped_gemm_params_t dxg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, H, I);
-  dxg.a = WS(MOK_WS_DG), dxg.b = a->w.wg, dxg.offsets = p.offsets, dxg.c = WS(MOK_WS_DXK);
-  if ((r = mok_gpu_gemm(l, &dxg, "mok_backward", "routed dx (gate)", stream)) !=
-      MOK_SUCCESS)
-    return r;
-  mok_grouped_gemm_params_t dxu = dxg;
-  dxu.epilogue = MOK_GG_EPI_ACCUM_F32, dxu.a = WS(MOK_WS_DU), dxu.b = a->w.wu;
-  if ((r = mok_gpu_gemm(l, &dxu, "mok_backward", "routed dx (up)", stream)) !=
-      MOK_SUCCESS)
-    return r;
-
-  /* 6. Shared expert: one group [0, T) of dy and x themselves, weight 1, no router gradient. */
-  if (Is > 0) {
-    mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
-    ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = p.shared_offsets; /* Wsd [H, Is] = [K, N] */
-    ss.c = WS(MOK_WS_DSS);                                         /* [T, Is] */
-    if ((r = mok_gpu_gemm(l, &ss, "mok_backward", "shared ds", stream)) != MOK_SUCCESS) return r;
-    mok_bwd_swiglu_params_t ssb;
-    memset(&ssb, 0, sizeof(ssb));
-    ssb.num_groups = 1, ssb.m_total = T, ssb.n = Is, ssb.offsets = p.shared_offsets;
-    ssb.g = gs, ssb.u = us, ssb.ds = (const float *)WS(MOK_WS_DSS), ssb.row_w = NULL;
-    ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
-    if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-    mok_grouped_gemm_params_t sg = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
-    sg.a = WS(MOK_WS_DGS), sg.b = a->w.wsg, sg.offsets = p.shared_offsets; /* Wsg [Is, H] */
-    sg.c = WS(MOK_WS_DXS);                                                 /* [T, H] fp32 */
-    if ((r = mok_gpu_gemm(l, &sg, "mok_backward", "shared dx (gate)", stream)) !=
-        MOK_SUCCESS)
-      return r;
-    mok_grouped_gemm_params_t su = sg;
-    su.epilogue = MOK_GG_EPI_ACCUM_F32, su.a = WS(MOK_WS_DUS), su.b = a->w.wsu;
-    if ((r = mok_gpu_gemm(l, &su, "mok_backward", "shared dx (up)", stream)) !=
-        MOK_SUCCESS)
-      return r;
-  }
-
-  /* 7. dx and dtopk_w. */
+  /* 3. The local chain on every expert, then dx and dtopk_w. */
+  mok_bwd_rows_t c;
+  c.ctx = ctx, c.row_w = gp.row_w, c.offsets = p.offsets, c.shared_offsets = p.shared_offsets;
+  if ((r = mok_gpu_backward_local(l, a, gr, &c, stream)) != MOK_SUCCESS) return r;
   if ((r = mok_bwd_reduce_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-
-  /* 8. Weight gradients, reductions over each expert's rows in layout order. */
-  float *stage = (float *)WS(MOK_WS_WGRAD32);
-  if ((r = mok_gpu_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), p.offsets, gr->dwd, stage,
-                     "routed down", stream)) != MOK_SUCCESS)
-    return r;
-  if ((r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), p.offsets, gr->dwg, stage,
-                     "routed gate", stream)) != MOK_SUCCESS)
-    return r;
-  if ((r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), p.offsets, gr->dwu, stage,
-                     "routed up", stream)) != MOK_SUCCESS)
-    return r;
-  if (Is > 0) {
-    if ((r = mok_gpu_wgrad(l, 1, T, H, Is, gr->dy, WS(MOK_WS_AS), p.shared_offsets, gr->dwsd, stage,
-                       "shared down", stream)) != MOK_SUCCESS)
-      return r;
-    if ((r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DGS), a->x, p.shared_offsets, gr->dwsg, stage,
-                       "shared gate", stream)) != MOK_SUCCESS)
-      return r;
-    if ((r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DUS), a->x, p.shared_offsets, gr->dwsu, stage,
-                       "shared up", stream)) != MOK_SUCCESS)
-      return r;
-  }
 #undef WS
 #undef CTX
   return MOK_SUCCESS;

@@ -12,12 +12,12 @@
  *                  (two launches: one kernel sending both rows spilled registers)
  *   gather         xg, dyg: the rows of this rank's experts
  *   local chain    RECOMPUTE: gate/up -> g, u; ds = dyg · Wd; SwiGLU backward -> a, dg, du and
- *                  the rows' router-weight gradients; dxk = dg · Wg + du · Wu (fp32); the shared
+ *                  the rows' router-weight gradients; bf16 dxk = bf16(dg · Wg + du · Wu); the shared
  *                  expert on this rank's tokens -> dxs; the weight gradients of this rank's
  *                  experts over their rows in layout order, and of the shared expert over this
  *                  rank's tokens
- *   combine        bf16(dxk) rows and the router-weight gradients home
- *   reduce         dx = bf16(dxs + Σ_k bf16(dxk)) in slot order, dtopk_w
+ *   combine        dxk rows and the router-weight gradients home
+ *   reduce         dx = bf16(dxs + Σ_k dxk) in slot order, dtopk_w
  *
  * EP-invariance: an expert's rows and their order are the W = 1 layer's over the ranks' tokens in
  * rank order, every GEMM row depends on its own A row, and each weight-gradient tile sums the
@@ -41,10 +41,8 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
                                 const mok_backward_args_t *gr, const char *ctx, void *stream) {
   struct mok_gpu_layer *gl = l->gpu;
   const mok_ws_layout_t *lay = &gl->lay;
-  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
-                Is = l->d.shared_intermediate, EL = l->EL, K = l->d.top_k,
-                R = l->capacity_rows;
-  const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
+  const int64_t T = a->num_tokens, H = l->d.hidden, Is = l->d.shared_intermediate, EL = l->EL,
+                K = l->d.top_k, R = l->capacity_rows;
   mokResult_t r;
 #define WS(region) mok_gpu_ws(l, region)
 #define CTX(region) ((const void *)(ctx + lay->ctx[region]))
@@ -78,7 +76,7 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
     (q).status = c.status, (q).offsets = c.offsets;                         \
     (q).shared_offsets = c.shared_offsets, (q).layer_err = c.err;           \
     (q).xg = WS(MOK_WS_XG), (q).xg2 = WS(MOK_WS_DYG);                       \
-    (q).yk = WS(MOK_WS_XG); /* bf16(dxk), once the weight gradients read xg */ \
+    (q).yk = WS(MOK_WS_DXK); /* bf16 dxk rows */                           \
     (q).ys = Is > 0 ? (const float *)WS(MOK_WS_DXS) : NULL;                 \
     (q).y = gr->dx, (q).dtopk_w = gr->dtopk_w;                              \
     (q).row_val = (const float *)WS(MOK_WS_DW_ROW);                         \
@@ -101,104 +99,14 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   if ((r = mok_ep_gather_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_backward: the expert-parallel gather failed to launch");
 
-  /* 5. The local chain on this rank's experts (gpu/backward.c's steps, E = EL). */
-  const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
-  const int32_t *off = c.offsets, *soff = c.shared_offsets;
-  const int shared = Is > 0 && T > 0;
-  const void *g = save ? CTX(MOK_CTX_G) : WS(MOK_WS_G), *u = save ? CTX(MOK_CTX_U) : WS(MOK_WS_U);
-  const void *gs = save ? CTX(MOK_CTX_GS) : WS(MOK_WS_GS);
-  const void *us = save ? CTX(MOK_CTX_US) : WS(MOK_WS_US);
-  if (!save) {
-    mok_grouped_gemm_params_t gu =
-        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);
-    gu.a = WS(MOK_WS_XG), gu.b = a->w.wg, gu.b2 = a->w.wu, gu.offsets = off;
-    gu.c = WS(MOK_WS_A), gu.row_scale = row_w;
-    gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U);
-    if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "recompute gate/up", stream)) != MOK_SUCCESS)
-      return r;
-    if (shared) {
-      mok_grouped_gemm_params_t sgu =
-          mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
-      sgu.a = a->x, sgu.b = a->w.wsg, sgu.b2 = a->w.wsu, sgu.offsets = soff;
-      sgu.c = WS(MOK_WS_AS), sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
-      if ((r = mok_gpu_gemm(l, &sgu, "mok_backward", "recompute shared gate/up", stream)) !=
-          MOK_SUCCESS)
-        return r;
-    }
-  }
-  mok_grouped_gemm_params_t dsp =
-      mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, EL, R, I, H);
-  dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = off, dsp.c = WS(MOK_WS_DS);
-  if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
-  mok_bwd_swiglu_params_t sb;
-  memset(&sb, 0, sizeof(sb));
-  sb.num_groups = EL, sb.m_total = R, sb.n = I, sb.offsets = off;
-  sb.g = g, sb.u = u, sb.ds = (const float *)WS(MOK_WS_DS), sb.row_w = row_w;
-  sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
-  sb.dw_row = (float *)WS(MOK_WS_DW_ROW);
-  if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-  mok_grouped_gemm_params_t dxg =
-      mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, EL, R, H, I);
-  dxg.a = WS(MOK_WS_DG), dxg.b = a->w.wg, dxg.offsets = off, dxg.c = WS(MOK_WS_DXK);
-  if ((r = mok_gpu_gemm(l, &dxg, "mok_backward", "routed dx (gate)", stream)) != MOK_SUCCESS)
-    return r;
-  mok_grouped_gemm_params_t dxu = dxg;
-  dxu.epilogue = MOK_GG_EPI_ACCUM_F32, dxu.a = WS(MOK_WS_DU), dxu.b = a->w.wu;
-  if ((r = mok_gpu_gemm(l, &dxu, "mok_backward", "routed dx (up)", stream)) != MOK_SUCCESS)
-    return r;
-  if (shared) {
-    mok_grouped_gemm_params_t ss =
-        mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
-    ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = soff, ss.c = WS(MOK_WS_DSS);
-    if ((r = mok_gpu_gemm(l, &ss, "mok_backward", "shared ds", stream)) != MOK_SUCCESS) return r;
-    mok_bwd_swiglu_params_t ssb;
-    memset(&ssb, 0, sizeof(ssb));
-    ssb.num_groups = 1, ssb.m_total = T, ssb.n = Is, ssb.offsets = soff;
-    ssb.g = gs, ssb.u = us, ssb.ds = (const float *)WS(MOK_WS_DSS), ssb.row_w = NULL;
-    ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
-    if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS)
-      return mok_gpu_launcher_failed(l, r);
-    mok_grouped_gemm_params_t sg =
-        mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
-    sg.a = WS(MOK_WS_DGS), sg.b = a->w.wsg, sg.offsets = soff, sg.c = WS(MOK_WS_DXS);
-    if ((r = mok_gpu_gemm(l, &sg, "mok_backward", "shared dx (gate)", stream)) != MOK_SUCCESS)
-      return r;
-    mok_grouped_gemm_params_t su = sg;
-    su.epilogue = MOK_GG_EPI_ACCUM_F32, su.a = WS(MOK_WS_DUS), su.b = a->w.wsu;
-    if ((r = mok_gpu_gemm(l, &su, "mok_backward", "shared dx (up)", stream)) != MOK_SUCCESS)
-      return r;
-  }
+  /* 5. The local chain on this rank's experts (gpu/backward.c, E = EL). */
+  mok_bwd_rows_t rows;
+  rows.ctx = ctx;
+  rows.row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
+  rows.offsets = c.offsets, rows.shared_offsets = c.shared_offsets;
+  if ((r = mok_gpu_backward_local(l, a, gr, &rows, stream)) != MOK_SUCCESS) return r;
 
-  /* Weight gradients (before xg turns into bf16 dxk). */
-  float *stage = (float *)WS(MOK_WS_WGRAD32);
-  if ((r = mok_gpu_wgrad(l, EL, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), off, gr->dwd, stage,
-                         "routed down", stream)) != MOK_SUCCESS ||
-      (r = mok_gpu_wgrad(l, EL, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), off, gr->dwg, stage,
-                         "routed gate", stream)) != MOK_SUCCESS ||
-      (r = mok_gpu_wgrad(l, EL, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), off, gr->dwu, stage,
-                         "routed up", stream)) != MOK_SUCCESS)
-    return r;
-  if (shared) {
-    if ((r = mok_gpu_wgrad(l, 1, T, H, Is, gr->dy, WS(MOK_WS_AS), soff, gr->dwsd, stage,
-                           "shared down", stream)) != MOK_SUCCESS ||
-        (r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DGS), a->x, soff, gr->dwsg, stage,
-                           "shared gate", stream)) != MOK_SUCCESS ||
-        (r = mok_gpu_wgrad(l, 1, T, Is, H, WS(MOK_WS_DUS), a->x, soff, gr->dwsu, stage,
-                           "shared up", stream)) != MOK_SUCCESS)
-      return r;
-  } else if (Is > 0 && !l->d.wgrad_accumulate) { /* T = 0 here: no token, zero gradients */
-    const size_t el = l->d.wgrad_dtype == MOK_WGRAD_BF16 ? 2 : 4, n = (size_t)(Is * H) * el;
-    void *dst[3] = {gr->dwsg, gr->dwsu, gr->dwsd};
-    for (int i = 0; i < 3; i++) {
-      const cudaError_t e = cudaMemsetAsync(dst[i], 0, n, (cudaStream_t)stream);
-      if (e != cudaSuccess) return mok_gpu_cuda_fail(l, "mok_backward: cudaMemsetAsync", e);
-    }
-  }
-
-  /* 6-7. bf16(dxk) and the router-weight gradients home; dx and dtopk_w there. */
-  if ((r = mok_ep_round_rows_launch((const float *)WS(MOK_WS_DXK), WS(MOK_WS_XG), off, EL, R, H,
-                                    stream)) != MOK_SUCCESS)
-    return mok_fail(l, r, "mok_backward: the dxk rounding kernel failed to launch");
+  /* 6-7. The bf16 dxk rows and the router-weight gradients home; dx and dtopk_w there. */
   if ((r = mok_transport_params(gl->tp, MOK_TP_COMBINE, stream, &p)) != MOK_SUCCESS)
     return mok_gpu_launcher_failed(l, r);
   EP_FILL(p);

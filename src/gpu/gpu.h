@@ -32,6 +32,23 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
 mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
                                 const mok_backward_args_t *g, const char *ctx, void *stream);
 
+/* The rows a backward's local chain works on: xg, dyg (workspace regions, expert order) with
+ * their router weights row_w and the local experts' offsets [EL + 1]; the shared expert on the
+ * call's own tokens (x, dy) with shared_offsets; ctx: the call's context (saved g, u). */
+typedef struct {
+  const char *ctx;
+  const float *row_w;
+  const int32_t *offsets, *shared_offsets;
+} mok_bwd_rows_t;
+
+/* The local chain of a backward (src/gpu/backward.c), W = 1 or one rank's part of an
+ * expert-parallel one: RECOMPUTE's gate/up, ds, SwiGLU backward (a, dg, du, the rows' router
+ * gradients in dw_row), bf16 dxk, the shared expert's dxs, and every weight gradient; dx and
+ * dtopk_w are left to the caller's reduce. */
+mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
+                                   const mok_backward_args_t *gr, const mok_bwd_rows_t *c,
+                                   void *stream);
+
 /* C[g] [n, k] = Σ_{rows r of group g} A[r]ᵀ ⊗ B[r] into the caller's dw in the layer's dtype
  * (written or accumulated; src/gpu/backward.c). a: [m, n] bf16, b: [m, k] bf16, dw: [G, n, k];
  * stage: the wgrad32 region (bf16 accumulate). */

@@ -90,6 +90,19 @@ MOK_TEST(gemm_launcher_rejects_bad_arguments) {
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.b_layout = MOK_GG_B_NMAJOR; p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  // a second reduction segment (a2, b2, k2): N-major bf16 only, K2 % 64 == 0, both operands
+  p = base; p.k2 = 64; p.a2 = p.b2 = ok;  // K-major B
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k2 = 64; p.b2 = ok;  // no a2
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k2 = 64; p.a2 = ok;  // no b2
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k2 = 96; p.a2 = p.b2 = ok;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k2 = -64; p.a2 = p.b2 = ok;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k2 = 64; p.b2 = ok; p.a2 = buf + 8;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
   p = base; p.m_total = 0;  // nothing to do: succeeds without touching the device
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
 }
@@ -437,3 +450,67 @@ MOK_TEST(gemm_bf16_nmajor_large_matches_cublas) {
   cudaFree(da); cudaFree(db); cudaFree(doffs); cudaFree(dref); cudaFree(dc); cudaFree(dc2);
 }
 
+
+// A second reduction segment (a2, b2, k2; the backward's dxk = dg·Wg + du·Wu) is the GEMM of the
+// operands concatenated along K, [A A2] and [B; B2] per group: bitwise, since the kernel runs
+// the same K blocks in the same order into one accumulator. Both stores the backward uses (bf16
+// dxk, fp32 dxs), every tile order; the concatenated GEMM itself is checked above against cuBLAS.
+MOK_TEST(gemm_bf16_second_segment_is_the_concatenated_gemm) {
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  problem_t pr = make_problem(768, 320, {700, 0, 130, 1, 256, 64, 300}, 5, 20);
+  const int M = pr.M, N = pr.N, K = pr.K, G = pr.G, K2 = 192, KC = K + K2;
+  std::vector<uint16_t> a((size_t)M * K), a2((size_t)M * K2), b((size_t)G * K * N),
+      b2((size_t)G * K2 * N);
+  fill_bf16(a, 1.0f);
+  fill_bf16(a2, 1.0f);
+  fill_bf16(b, 0.05f);
+  fill_bf16(b2, 0.05f);
+  std::vector<uint16_t> ac((size_t)M * KC), bc((size_t)G * KC * N);  // [A A2], [B; B2] per group
+  for (int r = 0; r < M; r++) {
+    memcpy(&ac[(size_t)r * KC], &a[(size_t)r * K], (size_t)K * 2);
+    memcpy(&ac[(size_t)r * KC + K], &a2[(size_t)r * K2], (size_t)K2 * 2);
+  }
+  for (int g = 0; g < G; g++) {
+    memcpy(&bc[(size_t)g * KC * N], &b[(size_t)g * K * N], (size_t)K * N * 2);
+    memcpy(&bc[((size_t)g * KC + K) * N], &b2[(size_t)g * K2 * N], (size_t)K2 * N * 2);
+  }
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+  uint16_t *da = to_dev(a), *da2 = to_dev(a2), *db = to_dev(b), *db2 = to_dev(b2);
+  uint16_t *dac = to_dev(ac), *dbc = to_dev(bc);
+  int32_t *doffs = to_dev(offs32);
+  void *dc = NULL, *dcc = NULL;
+  const size_t bytes = (size_t)M * N * 4;
+  cudaMalloc(&dc, bytes);
+  cudaMalloc(&dcc, bytes);
+  MOK_REQUIRE(da && da2 && db && db2 && dac && dbc && doffs && dc && dcc);
+  const mok_gg_epilogue_t epis[2] = {MOK_GG_EPI_STORE_BF16, MOK_GG_EPI_STORE_F32};
+  std::vector<uint8_t> c(bytes), cc(bytes);
+  for (int ei = 0; ei < 2; ei++)
+    for (int gi = 0; gi < GEMM_GROUP_MS; gi++) {
+      mok_grouped_gemm_params_t p =
+          gemm_params(MOK_GG_BF16, epis[ei], G, M, N, K, da, db, doffs, dc);
+      p.b_layout = MOK_GG_B_NMAJOR;
+      p.a2 = da2, p.b2 = db2, p.k2 = K2;
+      p.group_m = gemm_group_ms[gi];
+      p.num_sms = 11;
+      mok_grouped_gemm_params_t q =
+          gemm_params(MOK_GG_BF16, epis[ei], G, M, N, KC, dac, dbc, doffs, dcc);
+      q.b_layout = MOK_GG_B_NMAJOR;
+      q.group_m = gemm_group_ms[gi];
+      cudaMemset(dc, 0xFF, bytes);
+      cudaMemset(dcc, 0xFF, bytes);
+      const mokResult_t r1 = mok_grouped_gemm_launch(&p, NULL), r2 = mok_grouped_gemm_launch(&q, NULL);
+      const cudaError_t err = cudaDeviceSynchronize();
+      MOK_REQUIRE_MSG(r1 == MOK_SUCCESS && r2 == MOK_SUCCESS && err == cudaSuccess,
+                      "launch %d %d, cuda %s", (int)r1, (int)r2, cudaGetErrorString(err));
+      cudaMemcpy(c.data(), dc, bytes, cudaMemcpyDeviceToHost);
+      cudaMemcpy(cc.data(), dcc, bytes, cudaMemcpyDeviceToHost);
+      const size_t n = (size_t)M * N * (epis[ei] == MOK_GG_EPI_STORE_F32 ? 4 : 2);
+      size_t diff = 0;
+      for (size_t i = 0; i < n; i++) diff += c[i] != cc[i];
+      MOK_EXPECT_MSG(diff == 0, "epilogue %d, group_m %d: %zu bytes differ from the "
+                     "concatenated GEMM", (int)epis[ei], p.group_m, diff);
+    }
+  cudaFree(da); cudaFree(da2); cudaFree(db); cudaFree(db2); cudaFree(dac); cudaFree(dbc);
+  cudaFree(doffs); cudaFree(dc); cudaFree(dcc);
+}

@@ -20,7 +20,7 @@ extern "C" {
 /*
  * The kernels src/gpu/backward.c chains for mok_backward on one GPU, around the grouped GEMMs:
  * context check (one CTA) -> gathers of x and dy (mok_fwd_gather_launch) -> [RECOMPUTE: gate/up
- * GEMMs] -> ds GEMM -> SwiGLU backward -> dxk GEMMs -> shared expert -> dx reduce -> weight
+ * GEMMs] -> ds GEMM -> SwiGLU backward -> dxk GEMM -> shared expert -> dx reduce -> weight
  * gradients (mok_grouped_wgrad_launch, and wgrad_store for accumulated bf16 gradients). Buffers
  * are the regions of src/common/workspace.h; the routing (slot_row, offsets) comes from the context.
  * No launcher synchronizes or reads device memory on the host.
@@ -41,7 +41,7 @@ typedef struct {
   int32_t *status;            /* [1] 1: the context matches, the call computes; 0: it does nothing */
   int32_t *offsets;           /* [E + 1] ctx_offsets, or all 0 when the context does not match */
   int32_t *shared_offsets;    /* [2] {0, T}, or {0, 0} */
-  const float *dxk;           /* [R, H] fp32 (dx reduce) */
+  const void *dxk;            /* [R, H] bf16 (dx reduce) */
   const float *dxs;           /* [T, H] fp32 shared-expert data gradient, NULL when Is = 0 */
   const float *dw_row;        /* [R] router-weight gradient of each row */
   /* outputs */
@@ -55,7 +55,7 @@ typedef struct {
  * kernel and GEMM of the call finds no rows), and MOK_ERROR_CONTEXT_MISMATCH in the error word. */
 mokResult_t mok_bwd_context_check_launch(const mok_bwd_local_params_t *p, void *stream);
 
-/* dx[t] = bf16( dxs[t] + bf16(dxk[row(t, 0)]) + ... + bf16(dxk[row(t, K-1)]) ), fp32 in slot
+/* dx[t] = bf16( dxs[t] + dxk[row(t, 0)] + ... + dxk[row(t, K-1)] ) with bf16 dxk, fp32 in slot
  * order, empty slots skipped (dxs = 0 when NULL); dtopk_w[t, k] = dw_row[row(t, k)], 0 for an
  * empty slot. Rows from ctx_slot_row. Nothing is written when status is 0. */
 mokResult_t mok_bwd_reduce_launch(const mok_bwd_local_params_t *p, void *stream);

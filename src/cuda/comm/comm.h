@@ -235,9 +235,6 @@ mokResult_t mok_transport_params(mok_transport_t t, int phases, void *stream, mo
 mokResult_t mok_transport_layout_checked(mok_transport_t t, int64_t num_tokens,
                                          const int32_t *topk_idx, const int32_t *local_ok,
                                          void *stream);
-/* dst [rows, H] bf16 = bf16(src [rows, H] fp32), rows = offsets[EL] (the backward's dxk). */
-mokResult_t mok_ep_round_rows_launch(const float *src, void *dst, const int32_t *offsets,
-                                     int64_t EL, int64_t R, int64_t H, void *stream);
 /* Loads the transport's kernels (mok_tp_preload) and the layer's (mok_ep_preload) now, not at
  * their first launch, which may wait for kernels already running (gemm.h, mok_gg_preload). */
 mokResult_t mok_tp_preload(void);

@@ -282,22 +282,6 @@ __global__ void __launch_bounds__(EP_THREADS)
   }
 }
 
-// dst[r] = bf16(src[r]) for the rows [0, offsets[EL]), 4 columns per thread.
-__global__ void __launch_bounds__(EP_THREADS)
-    ep_round_rows_kernel(const float4 *src, uint2 *dst, const int32_t *offsets, int64_t EL,
-                         int64_t H4) {
-  const int64_t n = (int64_t)offsets[EL] * H4;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    const float4 v = src[i];
-    uint2 out;
-    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
-    o[0] = __floats2bfloat162_rn(v.x, v.y);
-    o[1] = __floats2bfloat162_rn(v.z, v.w);
-    dst[i] = out;
-  }
-}
-
 static mokResult_t ep_launched(void) {
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
@@ -308,24 +292,12 @@ static int ep_blocks(int64_t work_per_block, int64_t work) {
   return (int)(b < 1 ? 1 : b > 1024 ? 1024 : b);
 }
 
-extern "C" mokResult_t mok_ep_round_rows_launch(const float *src, void *dst,
-                                                const int32_t *offsets, int64_t EL, int64_t R,
-                                                int64_t H, void *stream) {
-  if (!src || !dst || !offsets) return MOK_ERROR_NULL_POINTER;
-  if (H % 4) return MOK_ERROR_INVALID_SHAPE;
-  ep_round_rows_kernel<<<ep_blocks(EP_THREADS, R * (H / 4)), EP_THREADS, 0,
-                         (cudaStream_t)stream>>>((const float4 *)src, (uint2 *)dst, offsets, EL,
-                                                 H / 4);
-  return ep_launched();
-}
-
 extern "C" mokResult_t mok_ep_preload(void) {
   cudaFuncAttributes a;
   const cudaError_t e[] = {cudaFuncGetAttributes(&a, ep_prep_kernel),
                            cudaFuncGetAttributes(&a, ep_gather_kernel),
                            cudaFuncGetAttributes(&a, ep_combine_kernel),
-                           cudaFuncGetAttributes(&a, ep_reduce_kernel),
-                           cudaFuncGetAttributes(&a, ep_round_rows_kernel)};
+                           cudaFuncGetAttributes(&a, ep_reduce_kernel)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();

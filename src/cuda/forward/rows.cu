@@ -120,12 +120,12 @@ extern "C" mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, vo
 /* Layer backward: the dx reduce (backward.h)                                      */
 /* ============================================================================================== */
 /*
- *   dx[t] = bf16( dxs[t] + bf16(dxk[row(t, 0)]) + ... + bf16(dxk[row(t, K-1)]) )
+ *   dx[t] = bf16( dxs[t] + dxk[row(t, 0)] + ... + dxk[row(t, K-1)] )
  *   dtopk_w[t, k] = dw_row[row(t, k)], 0 for an empty slot
  *
- * As in docs/design.md, "The layer": each slot's dxk is rounded to bf16 (as on its expert's rank),
- * the shared expert's dxs is not; an fp32 sum in slot order starting from dxs (or 0), the additions
- * of src/cpu/ref_backward.c in its order. The gathers of x and dy are the forward's gather kernel.
+ * As in docs/design.md, "The layer": each slot's dxk is bf16 (the dxk GEMM's epilogue rounds it, as
+ * on its expert's rank), the shared expert's dxs is fp32; an fp32 sum in slot order starting from
+ * dxs (or 0), the additions of src/cpu/ref_backward.c in its order. The gathers of x and dy are the forward's gather kernel.
  */
 
 __global__ void __launch_bounds__(RL_THREADS)
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(RL_THREADS)
   if (!rl_token_rows(p.ctx_slot_row, p.T, p.K, t, rows)) return;
   const int64_t K = p.K, H4 = p.H / 4;  // 4-column chunks per row
   for (int64_t k = lane; k < K; k += 32) p.dtopk_w[t * K + k] = rows[k] >= 0 ? p.dw_row[rows[k]] : 0.0f;
-  const float4 *dxk = (const float4 *)p.dxk;                     // [R, H / 4]
+  const uint2 *dxk = (const uint2 *)p.dxk;                       // [R, H / 4] of 4 bf16
   const float4 *dxs = p.dxs ? (const float4 *)p.dxs + t * H4 : NULL;  // [H / 4] of token t
   uint2 *dx = (uint2 *)p.dx + t * H4;                            // [H / 4] of token t
   for (int64_t c = lane; c < H4; c += 32) {
@@ -146,11 +146,13 @@ __global__ void __launch_bounds__(RL_THREADS)
     for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
       const int32_t r = rows[k];
       if (r < 0) continue;
-      const float4 v = dxk[(int64_t)r * H4 + c];
-      acc.x = __fadd_rn(acc.x, __bfloat162float(__float2bfloat16_rn(v.x)));
-      acc.y = __fadd_rn(acc.y, __bfloat162float(__float2bfloat16_rn(v.y)));
-      acc.z = __fadd_rn(acc.z, __bfloat162float(__float2bfloat16_rn(v.z)));
-      acc.w = __fadd_rn(acc.w, __bfloat162float(__float2bfloat16_rn(v.w)));
+      const uint2 v = dxk[(int64_t)r * H4 + c];
+      const float2 lo = __bfloat1622float2(*(const __nv_bfloat162 *)&v.x);
+      const float2 hi = __bfloat1622float2(*(const __nv_bfloat162 *)&v.y);
+      acc.x = __fadd_rn(acc.x, lo.x);
+      acc.y = __fadd_rn(acc.y, lo.y);
+      acc.z = __fadd_rn(acc.z, hi.x);
+      acc.w = __fadd_rn(acc.w, hi.y);
     }
     uint2 out;
     __nv_bfloat162 *o = (__nv_bfloat162 *)&out;

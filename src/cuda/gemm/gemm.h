@@ -29,7 +29,8 @@ typedef enum {
 typedef enum {
   MOK_GG_B_KMAJOR = 0,  /* B [G, N, K]: PyTorch Linear layout, K contiguous */
   MOK_GG_B_NMAJOR = 1   /* B [G, K, N]: N contiguous (backward: dy·Wd, dgu·[Wg; Wu]); needs
-                           K % 64 == 0; not with SwiGLU */
+                           K % 64 == 0; not with SwiGLU; may have a second reduction segment
+                           (a2, b2, k2 below) */
 } mok_gg_layout_t;
 
 /* What the epilogue does with the fp32 tile acc = A[rows] · B[g]ᵀ. */
@@ -58,7 +59,12 @@ typedef struct {
   const void *a;             /* [m_total, K] bf16 (fp8-block: e4m3), 16-byte aligned */
   const void *b;             /* [G, N, K] bf16 (or [G, K, N] with MOK_GG_B_NMAJOR), 16-byte
                                 aligned (SwiGLU: gate weights) */
-  const void *b2;            /* SwiGLU only: up weights [G, N, K] bf16 */
+  const void *b2;            /* SwiGLU: up weights [G, N, K] bf16; N-major B with k2 > 0: the
+                                second segment's B [G, K2, N] */
+  const void *a2;            /* N-major B with k2 > 0: the second segment's A [m_total, K2] */
+  int64_t k2;                /* N-major B: 0, or K2 (K2 % 64 == 0, bf16): the reduction goes on
+                                over a second pair, acc = A·B + A2·B2, one reduction of K + K2
+                                in that order (bitwise the GEMM of [A A2] and [B; B2]) */
   const void *offsets;       /* [G + 1] int32 or int64, device memory */
   void *c;                   /* [m_total, N] bf16 or fp32 (see epilogue), 16-byte aligned */
   const float *row_scale;    /* SwiGLU only: [m_total] fp32 router weight per row; NULL = 1 */

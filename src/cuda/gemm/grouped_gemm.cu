@@ -68,7 +68,8 @@ typedef struct {
   int offsets_int64;
   int num_groups;          // G
   int n;                   // output columns per group (SwiGLU: I)
-  int k_blocks;            // ceil(K / 64)
+  int k_blocks;            // ceil(K / 64), plus K2 / 64 with a second segment (N-major B)
+  int k_split;             // K blocks of the first segment (= k_blocks without a second)
   int n_tiles;             // column tiles per group
   int group_m;             // row units per band of the tile order (tile/scheduler.cuh)
   int bn_out;              // output columns per tile: 256, or 128 for SwiGLU
@@ -166,7 +167,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                    const __grid_constant__ CUtensorMap tm_a,   // A [M_total, K], box [128, 64]
                    const __grid_constant__ CUtensorMap tm_b,   // B [G*N, K], box [128, 64], or
                                                                // N-major [G*K, N], box [64, 64]
-                   const __grid_constant__ CUtensorMap tm_b2,  // up [G*N, K] (SwiGLU) or = tm_b
+                   const __grid_constant__ CUtensorMap tm_b2,  // up [G*N, K] (SwiGLU), the
+                                                               // second segment's [G*K2, N]
+                                                               // (N-major), or = tm_b
+                   const __grid_constant__ CUtensorMap tm_a2,  // the second segment's A, or = tm_a
                    const __grid_constant__ CUtensorMap tm_c)   // C [M_total, N] bf16, box [64, 64]
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -193,8 +197,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       while (gg_sched_next(&sched, &tile)) {
         tp_b_nmajor_t b;
         b.map = &tm_b;
-        b.k_row0 = tile.group * p.k_blocks * GG_BK_BF16;  // K % 64 == 0 for N-major B
+        b.k_row0 = tile.group * p.k_split * GG_BK_BF16;  // K % 64 == 0 for N-major B
         b.n0 = tile.n0;
+        b.k_split = p.k_split;
+        b.map_a2 = &tm_a2;
+        b.map2 = &tm_b2;
+        b.k_row2 = tile.group * (p.k_blocks - p.k_split) * GG_BK_BF16;
         tp_produce_tile_bn<GG_BM, GG_BN, STAGES, C_BYTES>(&ring, smem, full, empty, &tm_a,
                                                           tile.row0, b, p.k_blocks, gg_tag(tile));
       }
@@ -298,6 +306,14 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
     if (p->num_groups * p->k >= ((int64_t)1 << 31)) return MOK_ERROR_INVALID_SHAPE;
     if (p->epilogue == MOK_GG_EPI_SWIGLU) return MOK_ERROR_NOT_IMPLEMENTED;
   }
+  if (p->k2 != 0) {  // a second reduction segment: N-major bf16 only
+    if (p->b_layout != MOK_GG_B_NMAJOR || p->dtype != MOK_GG_BF16) return MOK_ERROR_NOT_IMPLEMENTED;
+    if (!p->a2 || !p->b2) return MOK_ERROR_NULL_POINTER;
+    if (p->k2 < 0 || p->k2 % 64 != 0 || p->k2 >= ((int64_t)1 << 31) ||
+        p->num_groups * p->k2 >= ((int64_t)1 << 31))
+      return MOK_ERROR_INVALID_SHAPE;
+    if (!gg_aligned16(p->a2)) return MOK_ERROR_MISALIGNED;
+  }
   if (p->dtype == MOK_GG_FP8_BLOCK) {
     if (!p->a_scale || !p->b_scale) return MOK_ERROR_NULL_POINTER;
     if (((uintptr_t)p->a_scale & 3u) || ((uintptr_t)p->b_scale & 3u)) return MOK_ERROR_MISALIGNED;
@@ -315,7 +331,7 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
 }
 
 typedef struct {
-  CUtensorMap a, b, b2, c;
+  CUtensorMap a, b, b2, a2, c;
 } gg_maps_t;
 
 template <int EPI, int B_NMAJOR>
@@ -323,8 +339,8 @@ static cudaError_t gg_launch_bf16(const gg_kernel_params_t *kp, const gg_maps_t 
                                   cudaStream_t stream) {
   typedef tp_plan<GG_BM, GG_BN, gg_cfg<EPI>::STAGES, gg_cfg<EPI>::C_BYTES> P;
   const int bytes = P::ALLOC_BYTES + P::TAGS_BYTES;
-  void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap) =
-      gg_bf16_kernel<EPI, B_NMAJOR>;
+  void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap,
+                 CUtensorMap) = gg_bf16_kernel<EPI, B_NMAJOR>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
@@ -334,7 +350,7 @@ static cudaError_t gg_launch_bf16(const gg_kernel_params_t *kp, const gg_maps_t 
   cfg.dynamicSmemBytes = bytes;
   cfg.stream = stream;
   cfg.gridDim = dim3(grid, 1, 1);
-  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->c);
+  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->a2, m->c);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -374,7 +390,8 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   kp.offsets_int64 = p->offsets_int64;
   kp.num_groups = (int)p->num_groups;
   kp.n = (int)p->n;
-  kp.k_blocks = (int)((p->k + GG_BK_BF16 - 1) / GG_BK_BF16);
+  kp.k_split = (int)((p->k + GG_BK_BF16 - 1) / GG_BK_BF16);
+  kp.k_blocks = kp.k_split + (int)(p->k2 / GG_BK_BF16);
   kp.bn_out = swiglu ? 128 : 256;
   kp.n_tiles = (int)((p->n + kp.bn_out - 1) / kp.bn_out);
   kp.m_total = p->m_total;
@@ -391,7 +408,7 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   kp.b_scale = p->b_scale;
   cudaStream_t s = (cudaStream_t)stream;
   if (p->dtype == MOK_GG_FP8_BLOCK) {
-    kp.k_blocks = (int)(p->k / GG8_BK);
+    kp.k_blocks = kp.k_split = (int)(p->k / GG8_BK);
     kp.bn_out = GG8_BN;
     kp.n_tiles = (int)(p->n / GG8_BN);
     CUtensorMap ma, mb, mc, ms;
@@ -419,16 +436,25 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   gg_maps_t m;
   const uint64_t rows_b = (uint64_t)(p->num_groups * p->n);
   const int bf16_out = p->epilogue == MOK_GG_EPI_STORE_BF16 || swiglu;
-  const int nmajor = p->b_layout == MOK_GG_B_NMAJOR;
+  const int nmajor = p->b_layout == MOK_GG_B_NMAJOR, second = p->k2 > 0;
   if (tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG_BM) ||
       (nmajor ? tma_encode_bf16_sw128(&m.b, p->b, (uint64_t)(p->num_groups * p->k),
                                       (uint64_t)p->n, 64)
               : tma_encode_bf16_sw128(&m.b, p->b, rows_b, (uint64_t)p->k, 128)) ||
-      tma_encode_bf16_sw128(&m.b2, swiglu ? p->b2 : p->b, rows_b, (uint64_t)p->k, 128) ||
       (bf16_out && tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)) ||
       (p->epilogue == MOK_GG_EPI_STORE_F32 &&
        tma_encode_f32_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64)))
     return MOK_ERROR_CUDA;
+  if (second) {  // N-major: the second segment's A [m_total, K2] and B [G K2, N]
+    if (tma_encode_bf16_sw128(&m.a2, p->a2, (uint64_t)p->m_total, (uint64_t)p->k2, GG_BM) ||
+        tma_encode_bf16_sw128(&m.b2, p->b2, (uint64_t)(p->num_groups * p->k2), (uint64_t)p->n,
+                              64))
+      return MOK_ERROR_CUDA;
+  } else {
+    m.a2 = m.a;  // unused
+    if (tma_encode_bf16_sw128(&m.b2, swiglu ? p->b2 : p->b, rows_b, (uint64_t)p->k, 128))
+      return MOK_ERROR_CUDA;
+  }
   if (p->epilogue == MOK_GG_EPI_ACCUM_F32) m.c = m.a;  // unused: accumulation stores directly
 
   // The dispatch table: the epilogue and B's layout (gg_cfg fixes the rest).

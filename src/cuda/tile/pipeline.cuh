@@ -111,10 +111,17 @@ typedef struct {
 
 // B stored N-major ([G, K, N] as a [G K, N] map with box [64 k-rows, 64 n]): the stage's B tile
 // is 4 chunks of 64 columns, chunk c = [64 k][128 B] at c x 8 KB; loads at (n0 + 64 c, k_row).
+// A second segment of the reduction (k_split < the tile's k_blocks) continues it from another
+// pair of operands: K blocks [k_split, k_blocks) come from map_a2 (same rows) and map2 (rows from
+// k_row2), so one accumulator holds A·B + A2·B2 as a single reduction of K + K2 (the backward's
+// dxk = dg·Wg + du·Wu, design.md's one reduction of length 2I).
 typedef struct {
   const CUtensorMap *map;
   int k_row0;  // g K: first row of group g in the [G K, N] view
   int n0;
+  int k_split;                       // K blocks from (map_a, map); the rest from the second pair
+  const CUtensorMap *map_a2, *map2;  // the second segment (unused when k_split >= k_blocks)
+  int k_row2;                        // g K2: first row of group g in map2's [G K2, N] view
 } tp_b_nmajor_t;
 
 // Producer thread: the tag slot of `stage` (the plan's tags, after the barriers) gets `tag`.
@@ -174,12 +181,15 @@ __device__ __forceinline__ void tp_produce_tile_bn(tp_ring_t *ring, uint8_t *sme
     uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES;
     uint8_t *b_tile = a_tile + P::A_BYTES;
     uint64_t *bar = &full[ring->stage];
+    const bool second = kb >= b.k_split;
+    const CUtensorMap *ma = second ? b.map_a2 : map_a, *mb = second ? b.map2 : b.map;
+    const int kx = second ? (kb - b.k_split) * 64 : kb * 64;
+    const int k_row = (second ? b.k_row2 : b.k_row0) + kx;
     ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES);
-    ptx_tma_load_2d(a_tile, map_a, bar, kb * 64, a_row);
+    ptx_tma_load_2d(a_tile, ma, bar, kx, a_row);
 #pragma unroll
     for (int c = 0; c < BN / 64; c++)
-      ptx_tma_load_2d(b_tile + c * 64 * MOK_TP_ROW_BYTES, b.map, bar, b.n0 + 64 * c,
-                      b.k_row0 + kb * 64);
+      ptx_tma_load_2d(b_tile + c * 64 * MOK_TP_ROW_BYTES, mb, bar, b.n0 + 64 * c, k_row);
     tp_ring_advance<STAGES>(ring);
   }
 }
