@@ -8,7 +8,7 @@ half of the rows); gate/up with MoK's fused SwiGLU epilogue against torch's plai
 baseline_act_ms and ratio_act add torch's GEMM followed by the activation it replaces); and the
 backward data-gradient GEMMs, whose weights are read N-major: ds = dy · Wd[e] (Wd [E, H, I]) and
 dx = [dg du] · [Wg; Wu][e] ([E, 2I, H]). Weight gradients (mok_bench_gemm's kind 1, the groups
-split the reduction over rows) for Qwen3-235B-A22B: dWd[e] = dy_eᵀ · a_e ([H, I]) and
+split the reduction over rows) for Qwen3-235B-A22B and DeepSeek-V3: dWd[e] = dy_eᵀ · a_e ([H, I]) and
 dWg[e] = dg_eᵀ · x_e ([I, H]), bf16 outputs, against torch._grouped_mm(dy.t(), a, offs) (its
 2D x 2D form: offsets split the reduction, output [E, N, K]); when torch rejects that form, against
 a loop of torch.mm per expert (the row says which). Correctness of the weight gradients is checked
@@ -514,7 +514,7 @@ def run_case(lib, model, gemm, routing, args, gen):
     return row
 
 
-WGRAD_MODELS = ("qwen3-235b-a22b",)
+WGRAD_MODELS = ("qwen3-235b-a22b", "deepseek-v3")
 
 
 def run_case_wgrad(lib, model, gemm, routing, args, gen):
@@ -573,7 +573,8 @@ def run_case_wgrad(lib, model, gemm, routing, args, gen):
         baseline, base = f"loop of torch.mm per expert ({type(ex).__name__}: {ex})"[:300], loop
     flops = 2.0 * R * N * K
     row = {"bench": "gemm", "case": f"{model}/{gemm}/{routing}", "device":
-           torch.cuda.get_device_name(), "dtype": "bf16 in, bf16 out (mok_f32_ms: fp32 out)",
+           torch.cuda.get_device_name(),
+           "dtype": "bf16 in, bf16 out (mok_f32_ms and the --lib-b columns: fp32 out)",
            "M": R, "N": N, "K": K, "E": E, "rel_err_vs_baseline": err,
            "rel_err_f32_vs_mm_loop": err32, "baseline_rel_err_vs_mm_loop": base_err,
            "reference": "loop of torch.mm per expert (rel_err_vs_baseline is against it)",
@@ -583,7 +584,11 @@ def run_case_wgrad(lib, model, gemm, routing, args, gen):
                     "baseline_tflops": None,
                     "error": f"wrong result: rel err {err:.3g} (f32 {err32:.3g}), nan={nan}"})
         return row
-    mok_ms, base_ms, mok32_ms = time_ms([mok, base, mok32], args.warmup, args.reps, args.rounds)
+    # --lib-b: the fp32 launch through each other build (same bits as this build's fp32 output)
+    extra = lib_b_variant(args, p32, stream, out32, row["case"])
+    times = time_ms([mok, base, mok32, *extra.values()], args.warmup, args.reps, args.rounds)
+    mok_ms, base_ms, mok32_ms = times[:3]
+    row.update(zip(extra, times[3:]))
     row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
                 "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9,
                 "mok_f32_ms": mok32_ms,
@@ -730,7 +735,9 @@ def describe(row):
             out += (f" | torch + activation {row['baseline_act_ms']:.3f} ms, "
                     f"ratio {row['ratio_act']:.3f}")
     else:  # weight gradients
-        out += f" | mok fp32 out {row['mok_f32_ms']:.3f} ms | baseline {row['baseline']}"
+        out += f" | mok fp32 out {row['mok_f32_ms']:.3f} ms" + "".join(
+            f" | {k[4:-3]} fp32 out {v:.3f}" for k, v in row.items() if k.startswith("mok_lib_b"))
+        out += f" | baseline {row['baseline']}"
     return out
 
 

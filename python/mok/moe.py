@@ -214,13 +214,26 @@ def _setup_context(ctx, inputs, output):
                           quantized)
 
 
+def _traced(t):
+    """Whether this backward is being traced rather than run: under dynamo, or by AOT autograd
+    (torch.compile's backends), whose fake tensors is_compiling() does not report in every
+    torch version."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # a torch without it traces nothing this check could see
+        return False
+    return is_fake(t)
+
+
 def _backward(ctx, dy, _dsaved, _dquantized):
     x, topk_idx, topk_w, *rest = ctx.saved_tensors
     given, (saved, quantized) = iter(rest[:-2]), rest[-2:]
     weights = [next(given) if p else None for p in ctx.present]
     main = getattr(ctx.layer, "main_grads", None)
     if main is not None:  # MoE(main_grad=True): the weight gradients go into param.main_grad
-        if torch.compiler.is_compiling():
+        if _traced(dy):
             raise MokError("INVALID_VALUE", "MoE(main_grad=True) runs eagerly only: its backward "
                                             "adds into param.main_grad, which a compiled graph "
                                             "cannot see; compile a module without main_grad")
