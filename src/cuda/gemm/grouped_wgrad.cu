@@ -19,19 +19,15 @@
  * depend on the grid size. An empty group stores zeros (store epilogues) or leaves C[g] untouched
  * (accumulate).
  *
- * Configurations (gw_cfg, by the epilogue; one dispatch table in mok_grouped_wgrad_launch):
- *   bf16 stores: 64-row stages, 3 of them + 64 KB output staging; each consumer warpgroup stages
- *          its [64, 256] piece in swizzled shared memory (two rounds of 16 KB, buffers of their own)
- *          and leaves it to TMA bulk copies over the [G N, K] view of C, which drain while the next
- *          tile's MMA runs (a tile reduces only R / E rows, ~8 blocks at DeepSeek-V3, so an
- *          unhidden epilogue costs a lot);
- *   fp32 stores: 32-row stages (24 KB), 4 of them + 128 KB staging, so that a warpgroup's whole
- *          [64, 256] fp32 piece (two rounds of 32 KB, buffers of their own) is staged at once and
- *          nothing of a tile's epilogue waits on its own copies; with 64-row stages only 32 KB per
- *          warpgroup fit beside the ring, and the second round waited until the copy engine had
- *          read the first (docs/performance.md, "Weight-gradient GEMM");
- *   fp32 accumulation: 64-row stages, 4 of them, stores from registers.
- * Row tiles that end past N[g] store from registers in every configuration.
+ * Configurations (one dispatch table in mok_grouped_wgrad_launch), as in grouped_gemm.cu:
+ *   staged (bf16 and fp32 stores): 3 stages + 64 KB output staging; each consumer warpgroup stages its
+ *          [64, 256] piece in swizzled shared memory and leaves it to TMA bulk copies over the
+ *          [G N, K] view of C, which drain while the next tile's MMA runs (a tile reduces only
+ *          R / E rows, ~8 blocks at DeepSeek-V3, so an unhidden epilogue costs a lot): bf16 in
+ *          one round of 32 KB per warpgroup, fp32 in two rounds of 32 KB (the second waits until
+ *          the copy engine has read the first); row tiles that end past N[g] fall back to direct
+ *          stores;
+ *   direct (fp32 accumulation): 4 stages, stores from registers.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -48,30 +44,20 @@
 #include "cuda/tile/scheduler.cuh"
 #include "cuda/ptx/tma.cuh"
 
-enum { GW_BM = 128, GW_BN = 256 };
-
-// The configuration of an epilogue (above): rows per stage, stages, staged stores, staging bytes.
-template <int EPI>
-struct gw_cfg {
-  static constexpr int F32_STAGED = EPI == MOK_GG_EPI_STORE_F32;
-  static constexpr int TMA_STORE = EPI != MOK_GG_EPI_ACCUM_F32;
-  static constexpr int ROWS = F32_STAGED ? 32 : 64;
-  static constexpr int STAGES = TMA_STORE && !F32_STAGED ? 3 : 4;
-  // 2 warpgroups x [64, 256]: bf16 (2 rounds of [64, 128]) or fp32 (2 rounds of [64, 128])
-  static constexpr int C_BYTES = !TMA_STORE ? 0 : 2 * 64 * 256 * (F32_STAGED ? 4 : 2);
-  typedef tp_plan_wgrad<ROWS, STAGES, C_BYTES> P;
-};
+enum { GW_BM = 128, GW_BN = 256, GW_BK = 64, GW_STAGES_DIRECT = 4, GW_STAGES_STAGED = 3,
+       GW_C_BYTES = 2 * 2 * 64 * 128 * 2 };  // staging: 2 warpgroups x 2 rounds x [64, 128] bf16
 
 // Register split after setmaxnreg, as in grouped_gemm.cu: 40 (producer) + 2 x 232 (consumers),
 // within the 168 per thread the CTA is launched with (grouped_gemm.cu's note).
 enum { GW_PRODUCER_REGS = 40, GW_CONSUMER_REGS = 232 };
 static_assert(GW_PRODUCER_REGS + 2 * GW_CONSUMER_REGS <= 3 * 168,
               "the launch's registers (gemm/grouped_gemm_fp8.cuh)");
-// (tp_plan_wgrad checks that each configuration fits the shared memory of a CTA)
-static_assert(gw_cfg<MOK_GG_EPI_STORE_F32>::P::ALLOC_BYTES > 0 &&
-                  gw_cfg<MOK_GG_EPI_STORE_BF16>::P::ALLOC_BYTES > 0 &&
-                  gw_cfg<MOK_GG_EPI_ACCUM_F32>::P::ALLOC_BYTES > 0,
-              "configurations");
+static_assert(GW_BK * MOK_TP_ROW_BYTES == MOK_TP_WGRAD_CHUNK_BYTES, "a chunk: 64 rows of 64 bf16");
+
+static_assert(tp_plan<GW_BM, GW_BN, GW_STAGES_DIRECT, 0>::STAGE_BYTES % 1024 == 0,
+              "128B swizzle needs 1024-byte aligned stages");
+static_assert(tp_plan<GW_BM, GW_BN, GW_STAGES_STAGED, GW_C_BYTES>::ALLOC_BYTES <= 227 * 1024,
+              "staged configuration fits the shared memory of a CTA");
 
 typedef struct {
   const void *offsets;  // [G + 1] int32 or int64, device
@@ -94,11 +80,11 @@ __device__ __forceinline__ void gw_store_zeros(void *c, size_t c_off, epi_coords
   else epi_store_f32<128, false>(zero, (float *)c + c_off, e);
 }
 
-template <int EPI>
+template <int EPI, int STAGES, int TMA_STORE>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     gw_bf16_kernel(const __grid_constant__ gw_kernel_params_t p,
-                   const __grid_constant__ CUtensorMap tm_a,  // A [M_total, N], box [ROWS, 64]
-                   const __grid_constant__ CUtensorMap tm_b,  // B [M_total, K], box [ROWS, 64]
+                   const __grid_constant__ CUtensorMap tm_a,  // A [M_total, N], box [64, 64]
+                   const __grid_constant__ CUtensorMap tm_b,  // B [M_total, K], box [64, 64]
                    const __grid_constant__ CUtensorMap tm_c)  // C [G N, K]: bf16, box [64, 64];
                                                               // fp32, box [64, 32]
 {
@@ -106,9 +92,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   static_assert(EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_STORE_F32 ||
                     EPI == MOK_GG_EPI_ACCUM_F32,
                 "weight gradients: store bf16, store fp32 or accumulate fp32");
-  constexpr int ROWS = gw_cfg<EPI>::ROWS, STAGES = gw_cfg<EPI>::STAGES;
-  constexpr int TMA_STORE = gw_cfg<EPI>::TMA_STORE, C_BYTES = gw_cfg<EPI>::C_BYTES;
-  typedef typename gw_cfg<EPI>::P P;
+  static_assert(!TMA_STORE || EPI != MOK_GG_EPI_ACCUM_F32, "staged: stores only");
+  constexpr int C_BYTES = TMA_STORE ? GW_C_BYTES : 0;
+  typedef tp_plan<GW_BM, GW_BN, STAGES, C_BYTES> P;
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
   uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
@@ -124,19 +110,19 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     ptx_setmaxnreg_dec<GW_PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       while (gw_sched_next(&sched, &tile)) {
-        const int k_blocks = (tile.rows + ROWS - 1) / ROWS;
-        tp_produce_tile_wgrad<ROWS, STAGES>(&ring, smem, full, empty, &tm_a, &tm_b, tile.row0,
-                                            k_blocks, tile.c_row0, tile.c_col0);
+        const int k_blocks = (tile.rows + GW_BK - 1) / GW_BK;
+        tp_produce_tile_wgrad<STAGES>(&ring, smem, full, empty, &tm_a, &tm_b, tile.row0,
+                                      k_blocks, tile.c_row0, tile.c_col0);
       }
     }
   } else {
     ptx_setmaxnreg_inc<GW_CONSUMER_REGS>();
     const int cw = wg - 1;             // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
     const int lt = threadIdx.x & 127;  // thread within the warpgroup
-    uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // bf16 32 KB, fp32 64 KB
+    uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // 32 KB: [4][64][128 B]
     float acc[128];                    // [64, 256] fragment of this warpgroup
     while (gw_sched_next(&sched, &tile)) {
-      const int k_blocks = (tile.rows + ROWS - 1) / ROWS;
+      const int k_blocks = (tile.rows + GW_BK - 1) / GW_BK;
       // C[g] as a [N, K] matrix: rows >= N and columns >= K are not stored.
       const epi_coords_t e = epi_coords(tile.c_row0, p.n, tile.c_col0, p.k, p.k, cw);
       const size_t c_off = (size_t)tile.group * (size_t)p.n * (size_t)p.k;
@@ -144,9 +130,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         if (EPI != MOK_GG_EPI_ACCUM_F32) gw_store_zeros<EPI>(p.c, c_off, e);
         continue;
       }
-      const int last_rows = tile.rows - (k_blocks - 1) * ROWS;  // 1..ROWS
-      tp_consume_tile_wgrad_n256<ROWS, STAGES>(&ring, smem, full, empty, k_blocks, last_rows, cw,
-                                               acc);
+      const int last_rows = tile.rows - (k_blocks - 1) * GW_BK;  // 1..64
+      tp_consume_tile_wgrad_n256<STAGES>(&ring, smem, full, empty, k_blocks, last_rows, cw,
+                                         acc);
       const int c_row = tile.c_row0 + 64 * cw;  // first row of this warpgroup's piece in C[g]
       if (TMA_STORE && c_row + 64 <= p.n) {     // all 64 rows inside C[g]: staged
         const int row = tile.group * p.n + c_row;  // in the [G N, K] view (< 2^31: launcher)
@@ -154,11 +140,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
           epi_store_staged_bf16<1, -1>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row,
                                        MOK_BAR_GEMM_EPI + cw, lt);
-        } else {  // two buffers of 32 KB: only the first half waits, for the previous tile's
-          epi_store_staged_f32<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row,
-                                     MOK_BAR_GEMM_EPI + cw, lt);
-          epi_store_staged_f32<1, -1>(acc, stage_c + 32768, &tm_c, tile.c_col0, p.k, row,
-                                      MOK_BAR_GEMM_EPI + cw, lt);
+        } else {
+          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
         }
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c + c_off, e);
@@ -200,12 +184,13 @@ static mokResult_t gw_validate(const mok_grouped_wgrad_params_t *p) {
   return MOK_SUCCESS;
 }
 
-template <int EPI>
+template <int EPI, int STAGES, int TMA_STORE>
 static cudaError_t gw_launch(const gw_kernel_params_t *kp, const CUtensorMap *ma,
                              const CUtensorMap *mb, const CUtensorMap *mc, int grid,
                              cudaStream_t stream) {
-  const int bytes = gw_cfg<EPI>::P::ALLOC_BYTES;
-  void (*kernel)(gw_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap) = gw_bf16_kernel<EPI>;
+  const int bytes = tp_plan<GW_BM, GW_BN, STAGES, TMA_STORE ? GW_C_BYTES : 0>::ALLOC_BYTES;
+  void (*kernel)(gw_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap) =
+      gw_bf16_kernel<EPI, STAGES, TMA_STORE>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
@@ -254,28 +239,25 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   const int bf16_out = p->epilogue == MOK_GG_EPI_STORE_BF16;
   const uint64_t c_rows = (uint64_t)(p->num_groups * p->n);
   CUtensorMap ma, mb, mc;
-  const uint32_t box_rows = p->epilogue == MOK_GG_EPI_STORE_F32
-                                ? gw_cfg<MOK_GG_EPI_STORE_F32>::ROWS
-                                : gw_cfg<MOK_GG_EPI_STORE_BF16>::ROWS;  // = the accumulate's
-  static_assert(gw_cfg<MOK_GG_EPI_STORE_BF16>::ROWS == gw_cfg<MOK_GG_EPI_ACCUM_F32>::ROWS, "");
-  if (tma_encode_bf16_sw128(&ma, p->a, rows, (uint64_t)p->n, box_rows) ||
-      tma_encode_bf16_sw128(&mb, p->b, rows, (uint64_t)p->k, box_rows) ||
+  if (tma_encode_bf16_sw128(&ma, p->a, rows, (uint64_t)p->n, GW_BK) ||
+      tma_encode_bf16_sw128(&mb, p->b, rows, (uint64_t)p->k, GW_BK) ||
       (staged && (bf16_out ? tma_encode_bf16_sw128(&mc, p->c, c_rows, (uint64_t)p->k, 64)
                            : tma_encode_f32_sw128(&mc, p->c, c_rows, (uint64_t)p->k, 64))))
     return MOK_ERROR_CUDA;
   if (!staged) mc = ma;  // unused
 
   cudaStream_t s = (cudaStream_t)stream;
+  const int S4 = GW_STAGES_DIRECT, S3 = GW_STAGES_STAGED;
   cudaError_t err;
   switch (p->epilogue) {
     case MOK_GG_EPI_STORE_BF16:
-      err = gw_launch<MOK_GG_EPI_STORE_BF16>(&kp, &ma, &mb, &mc, grid, s);
+      err = gw_launch<MOK_GG_EPI_STORE_BF16, S3, 1>(&kp, &ma, &mb, &mc, grid, s);
       break;
     case MOK_GG_EPI_STORE_F32:
-      err = gw_launch<MOK_GG_EPI_STORE_F32>(&kp, &ma, &mb, &mc, grid, s);
+      err = gw_launch<MOK_GG_EPI_STORE_F32, S3, 1>(&kp, &ma, &mb, &mc, grid, s);
       break;
     default:  // accumulation stays direct, as in grouped_gemm.cu (its NOTE)
-      err = gw_launch<MOK_GG_EPI_ACCUM_F32>(&kp, &ma, &mb, &mc, grid, s);
+      err = gw_launch<MOK_GG_EPI_ACCUM_F32, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
       break;
   }
   return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
@@ -284,9 +266,9 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
 extern "C" mokResult_t mok_gw_preload(void) {
   cudaFuncAttributes a;
   const cudaError_t e[] = {
-      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_BF16>),
-      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_F32>),
-      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_ACCUM_F32>)};
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_BF16, GW_STAGES_STAGED, 1>),
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_F32, GW_STAGES_STAGED, 1>),
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_ACCUM_F32, GW_STAGES_DIRECT, 0>)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();

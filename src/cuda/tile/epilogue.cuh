@@ -280,16 +280,14 @@ __device__ __forceinline__ void epi_store_staged_bf16(const float (&acc)[128], u
                                     n, row0, bar_id, lt);
 }
 
-// The same in fp32 (an fp32 map, box [64, 32]), 32 KB of staging per half. WAIT as above: 0 when
-// both halves share one buffer (each first waits until the copy engine has read the previous
-// one), and for the first half of a tile whose halves have buffers of their own, whose second
-// half then needs no wait (-1).
-template <int H, int WAIT = 0>
+// The same in fp32 (an fp32 map, box [64, 32]). Both halves use the same 32 KB buffer: each first
+// waits until the copy engine has read the previous one.
+template <int H>
 __device__ __forceinline__ void epi_store_staged_f32(const float (&acc)[128], uint8_t *stage_c,
                                                      const CUtensorMap *tm_c, int col0, int n,
                                                      int row0, int bar_id, int lt) {
-  epi_store_staged<16 * H, 0, WAIT, 128, 1>(acc, stage_c, tm_c, make_float2(1.0f, 1.0f),
-                                            col0 + 128 * H, n, row0, bar_id, lt);
+  epi_store_staged<16 * H, 0, 0, 128, 1>(acc, stage_c, tm_c, make_float2(1.0f, 1.0f),
+                                         col0 + 128 * H, n, row0, bar_id, lt);
 }
 
 #endif /* MOK_CUDA_GEMM_EPILOGUE_CUH */

@@ -446,94 +446,74 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
 /* k-grouped stages (weight gradients): both operands MN-major, ragged reduction                   */
 /* ---------------------------------------------------------------------------------------------- */
 // C[g] [N, K] = A_gᵀ · B_g with A [M_total, N], B [M_total, K] row-major: the reduction runs over
-// rows, the outer (strided) dimension of both, so both stage tiles are MN-major. One stage = ROWS
-// (64 or 32) reduced rows: 6 chunks of [ROWS rows][128 B] (64 bf16 columns each, 128-byte
-// swizzle), chunks 0-1 = A columns [c_row0, c_row0 + 128) (the tile's 128 output rows), chunks 2-5
-// = B columns [c_col0, c_col0 + 256); all contiguous (tp_plan_wgrad: A_BYTES then B_BYTES).
-// 32-row stages leave room for a whole staged fp32 tile beside a 4-stage ring (grouped_wgrad.cu).
+// rows, the outer (strided) dimension of both, so both stage tiles are MN-major. One stage = 64
+// reduced rows: 6 chunks of [64 rows][128 B] (64 bf16 columns each, 128-byte swizzle), chunks 0-1
+// = A columns [c_row0, c_row0 + 128) (the tile's 128 output rows), chunks 2-5 = B columns
+// [c_col0, c_col0 + 256); all 48 KB contiguous (tp_plan<128, 256>: A_BYTES then B_BYTES).
 //
 // Ragged reduction: group g's rows [lo, hi) are loaded in blocks starting at lo, so the last block
 // may run into the next group's rows (TMA only zero-fills past M_total). Those rows must add
 // exactly zero, and zeroing one operand is not enough (0 · inf = NaN in the other). So after the
-// last block lands, the consumer threads zero its rows [valid, ROWS) in all six chunks in shared
+// last block lands, the consumer threads zero its rows [valid, 64) in all six chunks in shared
 // memory, fence the generic-proxy stores against the tensor cores' async-proxy reads, and meet at
 // a named barrier before any wgmma reads the stage. With the 128-byte swizzle a tile row keeps its
 // own 128 bytes (the swizzle permutes 16-byte units inside a row), so a row range is a byte range.
-// Cost: at most one stage of shared stores once per tile. (Per-group tensor-map bounds, through
+// Cost: at most 48 KB of shared stores once per tile. (Per-group tensor-map bounds, through
 // tensormap.replace on a global copy of the map, would avoid it at the price of a map per CTA
 // and proxy fences on every group change.)
 
-#define MOK_TP_WGRAD_CHUNKS 6  // 2 A + 4 B chunks per stage
-
-// Shared-memory plan of a weight-gradient CTA (the fields tp_kernel_start reads, as tp_plan's).
-template <int ROWS, int STAGES, int C_BYTES>
-struct tp_plan_wgrad {
-  static constexpr int NUM_STAGES = STAGES;
-  static constexpr int CHUNK_BYTES = ROWS * MOK_TP_ROW_BYTES;  // [ROWS][128 B]
-  static constexpr int A_BYTES = 2 * CHUNK_BYTES;
-  static constexpr int B_BYTES = 4 * CHUNK_BYTES;
-  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int C_OFFSET = STAGES * STAGE_BYTES;
-  static constexpr int FULL_OFFSET = C_OFFSET + C_BYTES;
-  static constexpr int EMPTY_OFFSET = FULL_OFFSET + STAGES * 8;
-  static constexpr int BYTES = EMPTY_OFFSET + STAGES * 8;
-  static constexpr int ALLOC_BYTES = BYTES + 1024;  // slack to align the dynamic base
-  static_assert(ROWS == 64 || ROWS == 32, "whole k16 steps and 1024-byte swizzle atoms");
-  static_assert(STAGE_BYTES % 1024 == 0 && C_BYTES % 1024 == 0, "128B swizzle alignment");
-  static_assert(ALLOC_BYTES <= 227 * 1024, "over the 227 KB of shared memory of an sm_90 CTA");
-};
+#define MOK_TP_WGRAD_CHUNKS 6            // 2 A + 4 B chunks of 8 KB per stage
+#define MOK_TP_WGRAD_CHUNK_BYTES 8192    // [64 rows][128 B]
 
 // Producer, one thread: the k_blocks stages of one k-grouped tile; stage kb holds rows
-// [row0 + ROWS kb, + ROWS) of A columns [a_col0, +128) and B columns [b_col0, +256) (maps with
-// boxes of [ROWS, 64]).
-template <int ROWS, int STAGES>
+// [row0 + 64 kb, row0 + 64 kb + 64) of A columns [a_col0, +128) and B columns [b_col0, +256).
+template <int STAGES>
 __device__ __forceinline__ void tp_produce_tile_wgrad(tp_ring_t *ring, uint8_t *smem,
                                                       uint64_t *full, uint64_t *empty,
                                                       const CUtensorMap *map_a,
                                                       const CUtensorMap *map_b, int row0,
                                                       int k_blocks, int a_col0, int b_col0) {
-  typedef tp_plan_wgrad<ROWS, STAGES, 0> P;
+  typedef tp_plan<128, 256, STAGES, 0> P;
+  static_assert(P::STAGE_BYTES == MOK_TP_WGRAD_CHUNKS * MOK_TP_WGRAD_CHUNK_BYTES, "stage layout");
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     uint8_t *stage = smem + ring->stage * P::STAGE_BYTES;
     uint64_t *bar = &full[ring->stage];
-    const int row = row0 + ROWS * kb;
+    const int row = row0 + 64 * kb;
     // Boxes past N or K (or M_total) are zero-filled and still count their bytes.
     ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES);
 #pragma unroll
     for (int c = 0; c < 2; c++)
-      ptx_tma_load_2d(stage + c * P::CHUNK_BYTES, map_a, bar, a_col0 + 64 * c, row);
+      ptx_tma_load_2d(stage + c * MOK_TP_WGRAD_CHUNK_BYTES, map_a, bar, a_col0 + 64 * c, row);
 #pragma unroll
     for (int c = 0; c < 4; c++)
-      ptx_tma_load_2d(stage + P::A_BYTES + c * P::CHUNK_BYTES, map_b, bar, b_col0 + 64 * c, row);
+      ptx_tma_load_2d(stage + P::A_BYTES + c * MOK_TP_WGRAD_CHUNK_BYTES, map_b, bar,
+                      b_col0 + 64 * c, row);
     tp_ring_advance<STAGES>(ring);
   }
 }
 
-// The 256 consumer threads (ct = 0..255): rows [valid, ROWS) of every chunk of `stage` <- 0.
-template <int ROWS>
+// The 256 consumer threads (ct = 0..255): rows [valid, 64) of every chunk of `stage` <- 0.
 __device__ __forceinline__ void tp_zero_rows_wgrad(uint8_t *stage, int valid, int ct) {
-  const int units = (ROWS - valid) * 8;  // 16-byte units past the valid rows, per chunk
+  const int units = (64 - valid) * 8;  // 16-byte units past the valid rows, per chunk
   const int4 z = make_int4(0, 0, 0, 0);
   for (int i = ct; i < MOK_TP_WGRAD_CHUNKS * units; i += 256) {
     const int c = i / units;
-    *(int4 *)(stage + c * ROWS * MOK_TP_ROW_BYTES + valid * 128 + 16 * (i - c * units)) = z;
+    *(int4 *)(stage + c * MOK_TP_WGRAD_CHUNK_BYTES + valid * 128 + 16 * (i - c * units)) = z;
   }
 }
 
 // Consumer warpgroup `wg` (0 or 1), k-grouped: acc[64, 256] = Σ_rows A[row][64 wg + 0..63]ᵀ ⊗
-// B[row][0..255] over the tile's k_blocks stages (rows in order), `last_rows` (1..ROWS) of the
-// last stage valid. k_blocks >= 1: an empty group has no accumulator (the caller stores zeros
-// without writing acc: ordinary writes of wgmma accumulators serialize the wgmma pipeline, ptxas
-// C7515). Both warpgroups walk the same tiles, so both reach the zeroing barrier of a partial
-// last block. The sum runs over the rows in order whatever ROWS is: the same bits with 64- and
-// 32-row stages.
-template <int ROWS, int STAGES>
+// B[row][0..255] over the tile's k_blocks stages (rows in order), `last_rows` (1..64) of the last
+// stage valid. k_blocks >= 1: an empty group has no accumulator (the caller stores zeros without
+// writing acc: ordinary writes of wgmma accumulators serialize the wgmma pipeline, ptxas C7515).
+// Both warpgroups walk the same tiles, so both reach the zeroing barrier of a partial last block.
+template <int STAGES>
 __device__ __forceinline__ void tp_consume_tile_wgrad_n256(tp_ring_t *ring, uint8_t *smem,
                                                            uint64_t *full, uint64_t *empty,
                                                            int k_blocks, int last_rows, int wg,
                                                            float (&acc)[128]) {
-  typedef tp_plan_wgrad<ROWS, STAGES, 0> P;
+  typedef tp_plan<128, 256, STAGES, 0> P;
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < 128; i++) ptx_fence_operand(acc[i]);
@@ -541,20 +521,21 @@ __device__ __forceinline__ void tp_consume_tile_wgrad_n256(tp_ring_t *ring, uint
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&full[ring->stage], ring->phase);
     uint8_t *stage = smem + ring->stage * P::STAGE_BYTES;
-    if (kb == k_blocks - 1 && last_rows < ROWS) {
-      tp_zero_rows_wgrad<ROWS>(stage, last_rows, 128 * wg + (threadIdx.x & 127));
+    if (kb == k_blocks - 1 && last_rows < 64) {
+      tp_zero_rows_wgrad(stage, last_rows, 128 * wg + (threadIdx.x & 127));
       // NOTE: generic stores read next by wgmma (async proxy): fence in every writer, then meet.
       ptx_fence_proxy_async_smem();
       ptx_named_barrier_sync(MOK_BAR_WGRAD_ZERO, 256);
     }
     // A: this warpgroup's 64 output rows = one chunk, exactly one swizzle atom wide (LBO unused).
-    // B: 4 chunks of 64 columns, LBO = a chunk between them. Both: k16 step = 16 rows of 128 B =
+    // B: 4 chunks of 64 columns, LBO = 8 KB between them. Both: k16 step = 16 rows of 128 B =
     // +2048 bytes = +128 in the descriptor's address field (two 1024-byte atoms, SBO apart).
-    const uint64_t da = ptx_desc_mnmajor_sw128(stage + wg * P::CHUNK_BYTES, P::CHUNK_BYTES);
-    const uint64_t db = ptx_desc_mnmajor_sw128(stage + P::A_BYTES, P::CHUNK_BYTES);
+    const uint64_t da = ptx_desc_mnmajor_sw128(stage + wg * MOK_TP_WGRAD_CHUNK_BYTES,
+                                               MOK_TP_WGRAD_CHUNK_BYTES);
+    const uint64_t db = ptx_desc_mnmajor_sw128(stage + P::A_BYTES, MOK_TP_WGRAD_CHUNK_BYTES);
     ptx_wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < ROWS / 16; kk++)
+    for (int kk = 0; kk < 4; kk++)
       ptx_wgmma_m64n256k16_bf16<1, 1>(acc, da + 128 * kk, db + 128 * kk, (kb | kk) != 0);
     ptx_wgmma_commit_group();
     ptx_wgmma_wait_group<1>();  // the previous block's group is complete: release its stage
