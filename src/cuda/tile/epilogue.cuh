@@ -143,6 +143,75 @@ __device__ __forceinline__ void epi_store_swiglu(const float (&acc)[NACC], __nv_
   }
 }
 
+// SwiGLU backward of one element (docs/design.md, "The layer"; src/cpu/ref_backward.c's products
+// in its order, each an explicit _rn intrinsic so that nothing is contracted into an fma the
+// reference does not have; expf and the IEEE division are the accurate ones): from bf16 g, u (as
+// floats), ds = dy · Wd[e] and the row's router weight w,
+//   s = silu(g) u,  a = w s,  dg = (w ds) u silu'(g),  du = (w ds) silu(g).
+__device__ __forceinline__ void epi_swiglu_bwd_1(float g, float u, float ds, float w, float &s,
+                                                 float &a, float &dg, float &du) {
+  const float den = __fadd_rn(1.0f, expf(-g));  // 1 + e^-g (inf for g < -88)
+  const float silu = __fdiv_rn(g, den);
+  const float sig = __fdiv_rn(1.0f, den);
+  s = __fmul_rn(silu, u);
+  a = __fmul_rn(w, s);
+  const float da = __fmul_rn(w, ds);
+  const float dsilu = __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sig))));
+  dg = __fmul_rn(__fmul_rn(da, u), dsilu);
+  du = __fmul_rn(da, silu);
+}
+
+// The DS tile's epilogue: acc holds ds of this thread's two rows and NACC / 2 columns; g, u
+// [.., ldc] bf16 are read at the same places and a, dg, du [.., ldc] bf16 written there
+// (epi_swiglu_bwd_1; w: the rows' router weights, epi_row_scales). row_part [rows, part_ld],
+// when not NULL, gets at column part_col the row's router-gradient partial over the tile's columns,
+// Σ ds s: each thread sums its columns in order (j, then the pair) with fmaf, then the 4 threads
+// of the row's quad add theirs (xor 1, then xor 2), the same bits in each. Every lane runs the
+// shuffles; rows past row_end load nothing (s = 0) and store nothing.
+template <int NACC>
+__device__ __forceinline__ void epi_swiglu_bwd(const float (&acc)[NACC], const __nv_bfloat16 *g,
+                                               const __nv_bfloat16 *u, __nv_bfloat16 *a_out,
+                                               __nv_bfloat16 *dg_out, __nv_bfloat16 *du_out,
+                                               float *row_part, int64_t part_ld, int part_col,
+                                               float2 w, epi_coords_t e) {
+  const bool r0 = e.row < e.row_end, r1 = e.row + 8 < e.row_end;
+  const int64_t o0 = e.row * e.ldc, o1 = o0 + 8 * e.ldc;
+  float dw0 = 0.0f, dw1 = 0.0f;
+  // NOTE: fully unrolled: a loop over j would index acc at run time and move it to local memory
+#pragma unroll
+  for (int j = 0; j < NACC / 4; j++) {
+    const int col = e.col + 8 * j;
+    if (col < e.n) {
+#pragma unroll
+      for (int h = 0; h < 2; h++) {  // the thread's two rows
+        if (!(h ? r1 : r0)) continue;
+        const int64_t o = (h ? o1 : o0) + col;
+        const float2 gf = __bfloat1622float2(*(const __nv_bfloat162 *)(g + o));
+        const float2 uf = __bfloat1622float2(*(const __nv_bfloat162 *)(u + o));
+        const float wr = h ? w.y : w.x;
+        float s0, a0, dg0, du0, s1, a1, dg1, du1;
+        epi_swiglu_bwd_1(gf.x, uf.x, acc[4 * j + 2 * h], wr, s0, a0, dg0, du0);
+        epi_swiglu_bwd_1(gf.y, uf.y, acc[4 * j + 2 * h + 1], wr, s1, a1, dg1, du1);
+        *(__nv_bfloat162 *)(a_out + o) = __floats2bfloat162_rn(a0, a1);
+        *(__nv_bfloat162 *)(dg_out + o) = __floats2bfloat162_rn(dg0, dg1);
+        *(__nv_bfloat162 *)(du_out + o) = __floats2bfloat162_rn(du0, du1);
+        float &dw = h ? dw1 : dw0;
+        dw = __fmaf_rn(acc[4 * j + 2 * h], s0, dw);
+        dw = __fmaf_rn(acc[4 * j + 2 * h + 1], s1, dw);
+      }
+    }
+  }
+  if (!row_part) return;
+  dw0 = __fadd_rn(dw0, __shfl_xor_sync(0xFFFFFFFFu, dw0, 1));
+  dw1 = __fadd_rn(dw1, __shfl_xor_sync(0xFFFFFFFFu, dw1, 1));
+  dw0 = __fadd_rn(dw0, __shfl_xor_sync(0xFFFFFFFFu, dw0, 2));
+  dw1 = __fadd_rn(dw1, __shfl_xor_sync(0xFFFFFFFFu, dw1, 2));
+  if ((threadIdx.x & 3) == 0) {
+    if (r0) row_part[e.row * part_ld + part_col] = dw0;
+    if (r1) row_part[(e.row + 8) * part_ld + part_col] = dw1;
+  }
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Staged stores: registers -> swizzled shared memory -> TMA bulk store                           */
 /* ---------------------------------------------------------------------------------------------- */
