@@ -30,12 +30,11 @@
  * Backward only (src/gpu/backward.c; forward's regions above are reused as scratch: xg holds the
  * re-gathered x rows, a and as the backward's a = bf16(w · s), ys the shared dxs):
  *   dyg            [R, H] bf16         gathered dy rows, expert order
- *   dw_part        [R, ceil(I / 256)]  fp32 router-gradient partials of each row per 256-column
- *                                      tile of the ds GEMM (its SwiGLU-backward epilogue)
+ *   ds             [R, I] fp32         dy_g · Wd[e]: gradient w.r.t. a
  *   dg, du         [R, I] bf16         SwiGLU backward
  *   dxk            [R, H] bf16         bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I
- *   dw_row         [R] fp32            Σ_i ds_i · s_i of each row, the partials summed in tile
- *                                      order (dtopk_w in expert order)
+ *   dw_row         [R] fp32            Σ_i ds_i · s_i of each row (dtopk_w in expert order)
+ *   dss            [T_max, Is] fp32    shared dy · Wsd
  *   dgs, dus       [T_max, Is] bf16    shared SwiGLU backward
  *   dxs            [T_max, H] fp32     shared dgs · Wsg + dus · Wsu; NOTE: aliases ys
  *   g, u           [R, I] bf16         RECOMPUTE mode only: recomputed bf16 g, u
@@ -108,7 +107,7 @@ typedef enum {
   MOK_WS_ROW_W, MOK_WS_ROW_TOK, MOK_WS_TILE_PRE, MOK_WS_RED_PRE, MOK_WS_RED_ORDER,
   MOK_WS_COUNTERS, MOK_WS_LAYOUT, MOK_WS_XG, MOK_WS_YK, MOK_WS_A, MOK_WS_AS, MOK_WS_YS,
   /* backward */
-  MOK_WS_DYG, MOK_WS_DW_PART, MOK_WS_DG, MOK_WS_DU, MOK_WS_DXK, MOK_WS_DW_ROW, MOK_WS_DGS,
+  MOK_WS_DYG, MOK_WS_DS, MOK_WS_DG, MOK_WS_DU, MOK_WS_DXK, MOK_WS_DW_ROW, MOK_WS_DSS, MOK_WS_DGS,
   MOK_WS_DUS, MOK_WS_DXS, MOK_WS_G, MOK_WS_U, MOK_WS_GS, MOK_WS_US, MOK_WS_WGRAD32,
   MOK_WS_COUNT
 } mok_ws_region_t;
@@ -225,11 +224,12 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_AS] = off, off = mok_ws_align(off + T * Is * 2);
   l->ws[MOK_WS_YS] = off, off = mok_ws_align(off + (Is > 0 ? T * H * 4 : 0));
   l->ws[MOK_WS_DYG] = off, off = mok_ws_align(off + R * H * 2);
-  l->ws[MOK_WS_DW_PART] = off, off = mok_ws_align(off + R * ((I + 255) / 256) * 4);
+  l->ws[MOK_WS_DS] = off, off = mok_ws_align(off + R * I * 4);
   l->ws[MOK_WS_DG] = off, off = mok_ws_align(off + R * I * 2);
   l->ws[MOK_WS_DU] = off, off = mok_ws_align(off + R * I * 2);
   l->ws[MOK_WS_DXK] = off, off = mok_ws_align(off + R * H * 2);
   l->ws[MOK_WS_DW_ROW] = off, off = mok_ws_align(off + R * 4);
+  l->ws[MOK_WS_DSS] = off, off = mok_ws_align(off + T * Is * 4);
   l->ws[MOK_WS_DGS] = off, off = mok_ws_align(off + T * Is * 2);
   l->ws[MOK_WS_DUS] = off, off = mok_ws_align(off + T * Is * 2);
   l->ws[MOK_WS_DXS] = l->ws[MOK_WS_YS];

@@ -8,13 +8,11 @@
  *   gathers                x -> xg [R, H], dy -> dyg [R, H] (expert order), topk_w -> row_w [R]
  *   RECOMPUTE mode only    gate/up GEMM on xg -> bf16 g, u [R, I] (the forward's, bit for bit);
  *                          shared gate/up on x -> gs, us [T, Is]
- *   ds GEMM                ds = dyg · Wd[e] (B N-major: Wd as [E, H, I]), and in its epilogue the
- *                          SwiGLU backward: a, dg, du [R, I] bf16 and per-tile router-gradient
- *                          partials (gemm.h, MOK_GG_EPI_SWIGLU_BWD); ds itself is never stored
- *   router gradients       dw_row [R] fp32: the partials in tile order (backward/row_grad.cu)
+ *   ds GEMM                ds [R, I] fp32 = dyg · Wd[e]            (B N-major: Wd as [E, H, I])
+ *   SwiGLU backward        a, dg, du [R, I] bf16, dw_row [R] fp32  (backward/swiglu.cu)
  *   dxk GEMM               dxk [R, H] bf16 = bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I
  *                          (Wg as [E, I, H]; the GEMM's second segment, gemm.h)
- *   shared expert (Is > 0) dy · Wsd with the SwiGLU backward (w = 1) -> as, dgs, dus;
+ *   shared expert (Is > 0) dss [T, Is] = dy · Wsd; SwiGLU backward with w = 1 -> as, dgs, dus;
  *                          dxs [T, H] fp32 = dgs · Wsg + dus · Wsu (one reduction of 2 Is)
  *   weight gradients       dWd[e] = dygᵀ · a, dWg[e] = dgᵀ · xg, dWu[e] = duᵀ · xg over the rows
  *                          of expert e in layout order; dWsd = dyᵀ · as, dWsg = dgsᵀ · x,
@@ -108,19 +106,19 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     }
   }
 
-  /* ds = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major), with the SwiGLU backward in
-   * the epilogue: a, dg, du [R, I] and each row's router-gradient partials per 256-column tile;
-   * then dw_row [R], the partials summed in tile order. */
-  mok_grouped_gemm_params_t dsp =
-      mok_gg_bf16_params(MOK_GG_EPI_SWIGLU_BWD, MOK_GG_B_NMAJOR, E, R, I, H);
-  dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_A);
-  dsp.g_in = g, dsp.u_in = u, dsp.row_scale = c->row_w;
-  dsp.dg_out = WS(MOK_WS_DG), dsp.du_out = WS(MOK_WS_DU);
-  dsp.row_part = (float *)WS(MOK_WS_DW_PART);
+  /* ds [R, I] = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major). */
+  mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
+  dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
   if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
-  if ((r = mok_bwd_row_grad_launch(dsp.row_part, (I + 255) / 256, c->offsets, E, R,
-                                   (float *)WS(MOK_WS_DW_ROW), stream)) != MOK_SUCCESS)
-    return mok_gpu_launcher_failed(l, r);
+
+  /* SwiGLU backward: a, dg, du [R, I], dw_row [R]. */
+  mok_bwd_swiglu_params_t sb;
+  memset(&sb, 0, sizeof(sb));
+  sb.num_groups = E, sb.m_total = R, sb.n = I, sb.offsets = c->offsets;
+  sb.g = g, sb.u = u, sb.ds = (const float *)WS(MOK_WS_DS), sb.row_w = c->row_w;
+  sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
+  sb.dw_row = (float *)WS(MOK_WS_DW_ROW);
+  if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
   /* dxk [R, H] bf16 = bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I (Wg [E, I, H] is
    * B [E, K = I, N = H]; Wu the second segment's). */
@@ -131,12 +129,16 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
 
   /* Shared expert: one group [0, T) of dy and x themselves, weight 1, no router gradient. */
   if (shared) {
-    mok_grouped_gemm_params_t ss =
-        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU_BWD, MOK_GG_B_NMAJOR, 1, T, Is, H);
+    mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
     ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = c->shared_offsets; /* Wsd [H, Is] = [K, N] */
-    ss.c = WS(MOK_WS_AS), ss.g_in = gs, ss.u_in = us;                /* [T, Is] */
-    ss.dg_out = WS(MOK_WS_DGS), ss.du_out = WS(MOK_WS_DUS);
+    ss.c = WS(MOK_WS_DSS);                                          /* [T, Is] */
     if ((r = mok_gpu_gemm(l, &ss, "mok_backward", "shared ds", stream)) != MOK_SUCCESS) return r;
+    mok_bwd_swiglu_params_t ssb;
+    memset(&ssb, 0, sizeof(ssb));
+    ssb.num_groups = 1, ssb.m_total = T, ssb.n = Is, ssb.offsets = c->shared_offsets;
+    ssb.g = gs, ssb.u = us, ssb.ds = (const float *)WS(MOK_WS_DSS), ssb.row_w = NULL;
+    ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
+    if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
     mok_grouped_gemm_params_t sx = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
     sx.a = WS(MOK_WS_DGS), sx.b = a->w.wsg, sx.offsets = c->shared_offsets; /* Wsg [Is, H] */
     sx.a2 = WS(MOK_WS_DUS), sx.b2 = a->w.wsu, sx.k2 = Is; /* one reduction of 2 Is */

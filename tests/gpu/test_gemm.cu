@@ -103,17 +103,6 @@ MOK_TEST(gemm_launcher_rejects_bad_arguments) {
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k2 = 64; p.b2 = ok; p.a2 = buf + 8;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
-  // the SwiGLU backward epilogue: N-major bf16 B, g and u in, dg and du out
-  p = base; p.epilogue = MOK_GG_EPI_SWIGLU_BWD; p.g_in = p.u_in = ok; p.dg_out = p.du_out = ok;
-  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);  // K-major B
-  p.b_layout = MOK_GG_B_NMAJOR; p.u_in = NULL;
-  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
-  p.u_in = ok; p.du_out = buf + 4;
-  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
-  p.du_out = ok; p.row_part = (float *)(buf + 2);
-  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
-  p = base; p.epilogue = (mok_gg_epilogue_t)5;
-  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_VALUE);
   p = base; p.m_total = 0;  // nothing to do: succeeds without touching the device
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
 }

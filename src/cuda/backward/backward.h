@@ -20,9 +20,8 @@ extern "C" {
 /*
  * The kernels src/gpu/backward.c chains for mok_backward on one GPU, around the grouped GEMMs:
  * context check (one CTA) -> gathers of x and dy (mok_fwd_gather_launch) -> [RECOMPUTE: gate/up
- * GEMMs] -> ds GEMM with the SwiGLU backward in its epilogue -> router gradients -> dxk GEMM ->
- * shared expert -> weight gradients (mok_grouped_wgrad_launch, and wgrad_store for accumulated
- * bf16 gradients) -> dx reduce. Buffers
+ * GEMMs] -> ds GEMM -> SwiGLU backward -> dxk GEMM -> shared expert -> dx reduce -> weight
+ * gradients (mok_grouped_wgrad_launch, and wgrad_store for accumulated bf16 gradients). Buffers
  * are the regions of src/common/workspace.h; the routing (slot_row, offsets) comes from the context.
  * No launcher synchronizes or reads device memory on the host.
  */
@@ -61,15 +60,27 @@ mokResult_t mok_bwd_context_check_launch(const mok_bwd_local_params_t *p, void *
  * empty slot. Rows from ctx_slot_row. Nothing is written when status is 0. */
 mokResult_t mok_bwd_reduce_launch(const mok_bwd_local_params_t *p, void *stream);
 
-/* dw_row[r] = Σ_j part[r, j] (fp32, j = 0 .. tiles - 1 in order) for the rows r in
- * [offsets[0], offsets[G]): the router-weight gradient of each routed row from the partials the DS
- * GEMM's SwiGLU-backward epilogue writes per 256-column tile (src/cuda/gemm/gemm.h,
- * MOK_GG_EPI_SWIGLU_BWD). part [m_total, tiles], offsets [G + 1] in device memory. */
-mokResult_t mok_bwd_row_grad_launch(const float *part, int64_t tiles, const int32_t *offsets,
-                                    int64_t num_groups, int64_t m_total, float *dw_row,
-                                    void *stream);
+/* The SwiGLU backward of every row in [offsets[0], offsets[G]), one warp per row, from bf16 g, u,
+ * the row's weight w and ds (fp32), with s = silu(g) · u in fp32:
+ *   a = bf16(w · s)   dg = bf16((w · ds) · u · silu'(g))   du = bf16((w · ds) · silu(g))
+ *   dw_row[r] = Σ_i ds_i · s_i in fp32: each lane sums its columns 4 (32 j + lane) + (0..3),
+ *               j = 0, 1, ... with fmaf in that order, then a butterfly over the 32 lanes
+ *               (xor 16, 8, 4, 2, 1). Fixed: bitwise the same run after run.
+ * The products are those of src/cpu/ref_backward.c in its order, without contractions. */
+typedef struct {
+  int64_t num_groups;         /* G */
+  int64_t m_total;            /* rows of every buffer (>= offsets[G]) */
+  int64_t n;                  /* I or Is: a multiple of 128 */
+  const int32_t *offsets;     /* [G + 1] device memory */
+  const void *g, *u;          /* [m_total, n] bf16 */
+  const float *ds;            /* [m_total, n] fp32 */
+  const float *row_w;         /* [m_total] router weight of each row; NULL = 1 (shared expert) */
+  void *a, *dg, *du;          /* [m_total, n] bf16, written */
+  float *dw_row;              /* [m_total] written; NULL: not computed (shared expert) */
+} mok_bwd_swiglu_params_t;
+mokResult_t mok_bwd_swiglu_launch(const mok_bwd_swiglu_params_t *p, void *stream);
 
-/* Loads the backward's own kernels now (the context check, router gradients, wgrad store), not at
+/* Loads the backward's own kernels now (the context check, SwiGLU backward, wgrad store), not at
  * their first launch (src/cuda/gemm/gemm.h, mok_gg_preload, says why). */
 mokResult_t mok_bwd_preload(void);
 

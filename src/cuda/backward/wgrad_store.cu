@@ -45,12 +45,12 @@ __global__ void __launch_bounds__(WS_THREADS)
 }
 
 extern "C" cudaError_t mok_bwd_cc_preload(void); /* context_check.cu */
-extern "C" cudaError_t mok_bwd_rg_preload(void);  /* row_grad.cu */
+extern "C" cudaError_t mok_bwd_sb_preload(void);  /* swiglu.cu */
 
 extern "C" mokResult_t mok_bwd_preload(void) {
   cudaFuncAttributes a;
   if (cudaFuncGetAttributes(&a, ws_store_bf16_kernel) != cudaSuccess ||
-      mok_bwd_cc_preload() != cudaSuccess || mok_bwd_rg_preload() != cudaSuccess) {
+      mok_bwd_cc_preload() != cudaSuccess || mok_bwd_sb_preload() != cudaSuccess) {
     cudaGetLastError();
     return MOK_ERROR_CUDA;
   }

@@ -38,15 +38,9 @@ typedef enum {
   MOK_GG_EPI_STORE_BF16 = 0, /* c [M_total, N] bf16  = bf16(acc) */
   MOK_GG_EPI_STORE_F32 = 1,  /* c [M_total, N] fp32  = acc */
   MOK_GG_EPI_ACCUM_F32 = 2,  /* c [M_total, N] fp32 += acc */
-  MOK_GG_EPI_SWIGLU = 3,     /* b = gate [G, N, K], b2 = up [G, N, K]; c [M_total, N] bf16 =
+  MOK_GG_EPI_SWIGLU = 3      /* b = gate [G, N, K], b2 = up [G, N, K]; c [M_total, N] bf16 =
                                 bf16(row_scale[r] · silu(g) · u) with fp32 g, u; optionally
                                 g_out, u_out [M_total, N] bf16 = bf16(g), bf16(u) */
-  MOK_GG_EPI_SWIGLU_BWD = 4  /* the backward's DS tile (N-major B, bf16): acc = ds = dy · Wd[g];
-                                with g_in, u_in [M_total, N] bf16 and w = row_scale[r] (NULL: 1),
-                                s = silu(g) u: c = bf16(w s) (a), dg_out = bf16(w ds u silu'(g)),
-                                du_out = bf16(w ds silu(g)) [M_total, N] bf16; row_part
-                                [M_total, ceil(N / 256)] fp32 (optional) = Σ ds s over each
-                                256-column tile (tile/epilogue.cuh, epi_swiglu_bwd) */
 } mok_gg_epilogue_t;
 
 /* C[rows of g] = epilogue(A[rows of g] · B[g]ᵀ) for every group g, where the rows of group g are
@@ -86,9 +80,6 @@ typedef struct {
                                 tile's with the tile's operands (faster) */
   int group_m;               /* row tiles per band of the tile order: 0 = by B's size against
                                 the L2 (mok_tile_group_m; the default), -1 = none, n > 0 = n */
-  const void *g_in, *u_in;   /* SwiGLU backward: [m_total, N] bf16 g and u of the forward */
-  void *dg_out, *du_out;     /* SwiGLU backward: [m_total, N] bf16, written */
-  float *row_part;           /* SwiGLU backward, optional: [m_total, ceil(N / 256)] fp32 */
 } mok_grouped_gemm_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,

@@ -16,9 +16,7 @@
  *   staged (bf16 outputs, SwiGLU, fp32 stores): 3 stages + 64 KB of output staging, TMA bulk
  *          stores that drain while the next tile's MMA runs (fp32: two rounds of 32 KB per
  *          warpgroup); partial row tiles fall back to stores from registers;
- *   direct (fp32 accumulation, and the backward's SwiGLU backward on the DS tile, which reads g
- *          and u and writes three bf16 outputs and the rows' router-gradient partials): 4 stages,
- *          stores from registers.
+ *   direct (fp32 accumulation): 4 stages, stores from registers.
  * Measured on an H200 in docs/performance.md ("Grouped GEMM").
  */
 #include <cuda.h>
@@ -50,7 +48,7 @@ enum { GG_BM = 128, GG_BN = 256, GG_BK_BF16 = 64 };
 // than the deeper ring gains (docs/performance.md, "Variants removed").
 template <int EPI>
 struct gg_cfg {
-  static constexpr int TMA_STORE = EPI != MOK_GG_EPI_ACCUM_F32 && EPI != MOK_GG_EPI_SWIGLU_BWD;
+  static constexpr int TMA_STORE = EPI != MOK_GG_EPI_ACCUM_F32;
   static constexpr int STAGES = TMA_STORE ? 3 : 4;
   static constexpr int C_BYTES = TMA_STORE ? 2 * 64 * 256 * 2 : 0;
 };
@@ -79,9 +77,6 @@ typedef struct {
   void *c;                 // [M_total, N] bf16 or fp32
   const float *row_scale;  // [M_total] (SwiGLU)
   void *g_out, *u_out;     // [M_total, N] bf16 (SwiGLU, optional)
-  const void *g_in, *u_in; // SwiGLU backward: [M_total, N] bf16
-  void *dg_out, *du_out;   // SwiGLU backward: [M_total, N] bf16
-  float *row_part;         // SwiGLU backward: [M_total, n_tiles] fp32, or NULL
   const float *a_scale;    // fp8-block: [M_total, K/128], or [K/128, a_scale_ld]
   const float *b_scale;    // fp8-block: [G, N/128, K/128]
   int64_t a_scale_ld;      // fp8-block: 0, or the row stride of K-block-major a_scale
@@ -239,8 +234,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     while (gg_peek(&ring, full, tags, &tile)) {
       epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       float2 w = make_float2(1.0f, 1.0f);
-      if (EPI == MOK_GG_EPI_SWIGLU || EPI == MOK_GG_EPI_SWIGLU_BWD)
-        w = epi_row_scales(p.row_scale, e);
+      if (EPI == MOK_GG_EPI_SWIGLU) w = epi_row_scales(p.row_scale, e);
       const int wg_row0 = tile.row0 + 64 * cw;
       tp_consume_tile_bf16_n256<GG_BM, STAGES, C_BYTES, B_NMAJOR>(
           &ring, smem, full, empty, p.k_blocks, cw, gg_skip_rows(p, wg_row0, tile.row_end), acc);
@@ -264,11 +258,6 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         epi_store_f32<128, false>(acc, (float *)p.c, e);
       } else if (EPI == MOK_GG_EPI_ACCUM_F32) {
         epi_store_f32<128, true>(acc, (float *)p.c, e);
-      } else if (EPI == MOK_GG_EPI_SWIGLU_BWD) {
-        epi_swiglu_bwd<128>(acc, (const __nv_bfloat16 *)p.g_in, (const __nv_bfloat16 *)p.u_in,
-                            (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.dg_out,
-                            (__nv_bfloat16 *)p.du_out, p.row_part, p.n_tiles,
-                            tile.n0 / GG_BN, w, e);
       } else {
         epi_store_swiglu<128>(acc, (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.g_out,
                               (__nv_bfloat16 *)p.u_out, w, e);
@@ -293,14 +282,7 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   if (p->dtype != MOK_GG_BF16 && p->dtype != MOK_GG_FP8_BLOCK) return MOK_ERROR_INVALID_VALUE;
   if (p->b_layout != MOK_GG_B_KMAJOR && p->b_layout != MOK_GG_B_NMAJOR)
     return MOK_ERROR_INVALID_VALUE;
-  if ((int)p->epilogue < 0 || p->epilogue > MOK_GG_EPI_SWIGLU_BWD) return MOK_ERROR_INVALID_VALUE;
-  if (p->epilogue == MOK_GG_EPI_SWIGLU_BWD) {  // the DS tile: N-major bf16 only
-    if (p->b_layout != MOK_GG_B_NMAJOR || p->dtype != MOK_GG_BF16) return MOK_ERROR_NOT_IMPLEMENTED;
-    if (!p->g_in || !p->u_in || !p->dg_out || !p->du_out) return MOK_ERROR_NULL_POINTER;
-    if (!gg_aligned16(p->g_in) || !gg_aligned16(p->u_in) || !gg_aligned16(p->dg_out) ||
-        !gg_aligned16(p->du_out) || ((uintptr_t)p->row_part & 3u))
-      return MOK_ERROR_MISALIGNED;
-  }
+  if ((int)p->epilogue < 0 || p->epilogue > MOK_GG_EPI_SWIGLU) return MOK_ERROR_INVALID_VALUE;
   if (p->offsets_int64 != 0 && p->offsets_int64 != 1) return MOK_ERROR_INVALID_VALUE;
   if (p->num_sms < 0 || p->group_m < -1) return MOK_ERROR_INVALID_VALUE;
   if (p->num_groups < 1 || p->num_groups > MOK_GG_MAX_GROUPS) return MOK_ERROR_INVALID_SHAPE;
@@ -417,9 +399,6 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   kp.row_scale = p->row_scale;
   kp.g_out = swiglu ? p->g_out : NULL;
   kp.u_out = swiglu ? p->u_out : NULL;
-  kp.g_in = p->g_in, kp.u_in = p->u_in;
-  kp.dg_out = p->dg_out, kp.du_out = p->du_out;
-  kp.row_part = p->epilogue == MOK_GG_EPI_SWIGLU_BWD ? p->row_part : NULL;
   // one group's B: N x K elements (SwiGLU: gate and up, N each)
   kp.group_m = mok_tile_group_m(p->group_m, (swiglu ? 2 : 1) * p->n * p->k *
                                                  (p->dtype == MOK_GG_FP8_BLOCK ? 1 : 2));
@@ -476,8 +455,7 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
     if (tma_encode_bf16_sw128(&m.b2, swiglu ? p->b2 : p->b, rows_b, (uint64_t)p->k, 128))
       return MOK_ERROR_CUDA;
   }
-  if (p->epilogue == MOK_GG_EPI_ACCUM_F32 || p->epilogue == MOK_GG_EPI_SWIGLU_BWD)
-    m.c = m.a;  // unused: these epilogues store from registers
+  if (p->epilogue == MOK_GG_EPI_ACCUM_F32) m.c = m.a;  // unused: accumulation stores directly
 
   // The dispatch table: the epilogue and B's layout (gg_cfg fixes the rest).
 #define GG_LAUNCH(EPI) (nmajor ? gg_launch_bf16<EPI, 1>(&kp, &m, grid, s) \
@@ -492,9 +470,6 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
       // (at Qwen3-235B 4.44 against 4.74; docs/performance.md, "Grouped GEMM: epilogues"): it
       // stays direct.
       err = GG_LAUNCH(MOK_GG_EPI_ACCUM_F32);
-      break;
-    case MOK_GG_EPI_SWIGLU_BWD:  // N-major B only: validated
-      err = gg_launch_bf16<MOK_GG_EPI_SWIGLU_BWD, 1>(&kp, &m, grid, s);
       break;
     default:  // SwiGLU (K-major B only: validated)
       err = gg_launch_bf16<MOK_GG_EPI_SWIGLU, 0>(&kp, &m, grid, s);
@@ -513,8 +488,7 @@ extern "C" mokResult_t mok_gg_preload(void) {
       cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_F32, 0>),
       cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_F32, 1>),
       cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 0>),
-      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 1>),
-      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_SWIGLU_BWD, 1>)};
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 1>)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();
