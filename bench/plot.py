@@ -4,7 +4,8 @@ bench/plot.py: the committed benchmark results (bench/results/*.jsonl) as PNGs f
     python3 bench/plot.py [--results bench/results] [--out docs/img]
 
 Each benchmark appends one JSON object per case and run to its file, so a case's last row is its
-most recent run; every plot takes that row for each case (and names the commits it drew from in
+most recent run (rows marked "reverted" measured code that was taken out, and are skipped);
+every plot takes that row for each case (and names the commits it drew from in
 its title). MoK against the baseline the rows name, the ratio MoK / baseline over MoK's bar:
   forward.png    bench/forward.py: TFLOP/s of the layer per model, forward and forward + backward,
                  against the PyTorch pipeline (argsort, torch._grouped_mm, SwiGLU, index_add_).
@@ -35,13 +36,15 @@ MOK, BASE = "tab:blue", "tab:gray"
 
 
 def latest(path):
-    """{case: its last row} of a JSON-lines file (rows are appended in run order)."""
+    """{case: its last row} of a JSON-lines file (rows are appended in run order), skipping rows
+    marked "reverted" (a measured variant whose code was taken out again)."""
     rows = {}
     with open(path) as f:
         for line in f:
             if line.strip():
                 row = json.loads(line)
-                rows[row["case"]] = row
+                if not row.get("reverted"):
+                    rows[row["case"]] = row
     return rows
 
 

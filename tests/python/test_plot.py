@@ -32,3 +32,11 @@ def test_latest_takes_each_cases_last_row(tmp_path):
     got = plot.latest(str(path))
     assert got == {"a": rows[2], "b": rows[1]}
     assert plot.commits(got.values()) == "commits new, old"
+
+
+def test_latest_skips_rows_of_reverted_code(tmp_path):
+    rows = [{"case": "a", "commit": "kept", "mok_ms": 2},
+            {"case": "a", "commit": "tried", "mok_ms": 3, "reverted": "taken out in kept2"}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot.latest(str(path)) == {"a": rows[0]}
