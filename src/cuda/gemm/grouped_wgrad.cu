@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
           epi_store_staged_bf16<1, -1>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row,
                                        MOK_BAR_GEMM_EPI + cw, lt);
-        } else {  // columns [0, 128) staged; [128, 256) from registers while TMA drains them
+        } else {
           epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
-          epi_store_f32_chunks<128, 16, 16>(acc, (float *)p.c + c_off, e);
+          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
         }
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c + c_off, e);

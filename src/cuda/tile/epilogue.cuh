@@ -108,23 +108,6 @@ __device__ __forceinline__ void epi_store_f32(const float (&acc)[NACC], float *c
   }
 }
 
-// c fp32 = acc for the column chunks [J0, J0 + NJ) only (8 columns each), from registers.
-template <int NACC, int J0, int NJ>
-__device__ __forceinline__ void epi_store_f32_chunks(const float (&acc)[NACC], float *c,
-                                                     epi_coords_t e) {
-  const bool r0 = e.row < e.row_end, r1 = e.row + 8 < e.row_end;
-  float *p0 = c + e.row * e.ldc;
-  float *p1 = p0 + 8 * e.ldc;
-#pragma unroll
-  for (int j = J0; j < J0 + NJ; j++) {
-    const int col = e.col + 8 * j;
-    if (col < e.n) {
-      if (r0) *(float2 *)(p0 + col) = make_float2(acc[4 * j], acc[4 * j + 1]);
-      if (r1) *(float2 *)(p1 + col) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-    }
-  }
-}
-
 // SwiGLU (docs/design.md, "The layer"): the accumulator holds g in columns [0, N/2) and u in
 // [N/2, N) of the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u, plus
 // optional bf16 g and u. w: this thread's router weights (epi_row_scales).
