@@ -123,9 +123,10 @@ extern "C" mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, vo
  *   dx[t] = bf16( dxs[t] + dxk[row(t, 0)] + ... + dxk[row(t, K-1)] )
  *   dtopk_w[t, k] = dw_row[row(t, k)], 0 for an empty slot
  *
- * As in docs/design.md, "The layer": each slot's dxk is bf16 (the dxk GEMM's epilogue rounds it, as
- * on its expert's rank), the shared expert's dxs is fp32; an fp32 sum in slot order starting from
- * dxs (or 0), the additions of src/cpu/ref_backward.c in its order. The gathers of x and dy are the forward's gather kernel.
+ * As in docs/design.md, "The layer": each slot's dxk is bf16 (the dxk GEMM's epilogue rounds it,
+ * as on its expert's rank), the shared expert's dxs is fp32; an fp32 sum in slot order starting
+ * from dxs (or 0), the additions of src/cpu/ref_backward.c in its order. The gathers of x and dy
+ * are the forward's gather kernel.
  */
 
 __global__ void __launch_bounds__(RL_THREADS)
