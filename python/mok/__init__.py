@@ -29,7 +29,7 @@ WRONG_DEVICE, INVALID_ROUTING, ...), and the message names the argument ("x", "t
 import ctypes
 
 from . import _check
-from ._lib import DEVICE_CPU, PRECISIONS, MokError, lib, check
+from ._lib import DEVICE_CPU, FP8_SCALES, PRECISIONS, MokError, lib, check
 from ._lib import LayerDesc, Weights, ForwardArgs, BackwardArgs, VERSION_CODE
 from ._version import VERSION
 from .comm import Comm, unique_id
@@ -110,10 +110,13 @@ class Layer:
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens,
                  shared_intermediate=0, precision="bf16", device=None, wgrad_fp32=True,
-                 wgrad_accumulate=False, recompute=False, capacity_factor=0.0, comm=None):
+                 wgrad_accumulate=False, recompute=False, capacity_factor=0.0, comm=None,
+                 fp8_scale="fp32"):
         self._comm, self._layer, self.comm = ctypes.c_void_p(), ctypes.c_void_p(), None
         if precision not in PRECISIONS:
             raise MokError("INVALID_VALUE", f"precision {precision!r}: one of {list(PRECISIONS)}")
+        if fp8_scale not in FP8_SCALES:
+            raise MokError("INVALID_VALUE", f"fp8_scale {fp8_scale!r}: one of {list(FP8_SCALES)}")
         if comm is not None and not isinstance(comm, Comm):
             raise MokError("INVALID_VALUE", f"comm: expected a mok.Comm, got {type(comm).__name__}")
         if comm is not None and not comm._handle:
@@ -132,6 +135,7 @@ class Layer:
         d.hidden, d.intermediate, d.num_experts, d.top_k = hidden, intermediate, num_experts, top_k
         d.shared_intermediate, d.max_tokens = shared_intermediate, max_tokens
         d.precision, d.wgrad_dtype = PRECISIONS[precision], int(bool(wgrad_fp32))
+        d.fp8_scale = FP8_SCALES[fp8_scale]
         d.wgrad_accumulate, d.context_mode = int(bool(wgrad_accumulate)), int(bool(recompute))
         d.capacity_factor = capacity_factor
         self.desc = d

@@ -14,6 +14,7 @@ RESULTS = [
     "INVALID_ROUTING", "CAPACITY_OVERFLOW", "TIMEOUT", "CONTEXT_MISMATCH", "INTERNAL",
 ]
 PRECISIONS = {"bf16": 0, "fp8-block": 1, "mxfp8": 2}
+FP8_SCALES = {"fp32": 0, "pow2": 1}  # mok_fp8_scale_t: fp8-block scales as fp32, or powers of two
 DEVICE_CPU = -1
 VERSION_CODE = VERSION[0] * 10000 + VERSION[1] * 100 + VERSION[2]  # MOK_VERSION_CODE
 

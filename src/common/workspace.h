@@ -41,6 +41,16 @@
  *   gs, us         [T_max, Is] bf16    RECOMPUTE mode only
  *   wgrad32        [wgrad_stage] fp32  bf16 weight gradients accumulated (wgrad_accumulate = 1)
  *                                      only: one fp32 gradient before bf16(old + g); else empty
+ * fp8-block layers only (empty otherwise): GEMM operands in e4m3, each with its 1x128 scales
+ * stored K-block major (scale of row r, block b at [b * ld + r], ld = mok_ws_ld4(rows)):
+ *   xqt, xqt_s     [T_max, H]          forward: x (the shared expert's A, gathered into xq);
+ *                                      backward: dy (the shared ds GEMM's A)
+ *   xq, xq_s       [R, H]              forward: x rows (gate/up); backward: dyg (ds), after the
+ *                                      RECOMPUTE gate/up's x rows
+ *   aq, aq2, aq_s  [R, I] x 2, scales  forward: a (down; aq2 unused); backward: dg, du (dxk,
+ *                  [2I/128, ld]        whose two segments share one scale array, du's after dg's)
+ *   asq, asq2,     [T_max, Is] x 2     the shared expert's as; dgs, dus
+ *   asq_s
  *
  * Context (the caller's, mok_context_size bytes; written by forward, read by backward):
  *   header         mok_ctx_header_t    magic (0 when the call's routing was invalid), layer id, T,
@@ -109,6 +119,9 @@ typedef enum {
   /* backward */
   MOK_WS_DYG, MOK_WS_DS, MOK_WS_DG, MOK_WS_DU, MOK_WS_DXK, MOK_WS_DW_ROW, MOK_WS_DSS, MOK_WS_DGS,
   MOK_WS_DUS, MOK_WS_DXS, MOK_WS_G, MOK_WS_U, MOK_WS_GS, MOK_WS_US, MOK_WS_WGRAD32,
+  /* fp8-block */
+  MOK_WS_XQT, MOK_WS_XQT_S, MOK_WS_XQ, MOK_WS_XQ_S, MOK_WS_AQ, MOK_WS_AQ2, MOK_WS_AQ_S,
+  MOK_WS_ASQ, MOK_WS_ASQ2, MOK_WS_ASQ_S,
   MOK_WS_COUNT
 } mok_ws_region_t;
 
@@ -124,6 +137,7 @@ typedef struct {
   int64_t R;    /* capacity_rows */
   int save;     /* context_mode == MOK_CONTEXT_SAVE */
   int64_t wgrad_stage; /* fp32 elements of the wgrad32 region (0: bf16 gradients not accumulated) */
+  int fp8;      /* precision == MOK_PRECISION_FP8_BLOCK: the e4m3 operand regions */
 } mok_ws_dims_t;
 
 typedef struct {
@@ -133,6 +147,8 @@ typedef struct {
 } mok_ws_layout_t;
 
 MOK_WS_FN size_t mok_ws_align(size_t x) { return (x + 255) & ~(size_t)255; }
+/* The row stride of K-block-major scales of `rows` rows (the fp8 GEMM's a_scale_ld). */
+MOK_WS_FN int64_t mok_ws_ld4(int64_t rows) { return (rows + 3) & ~(int64_t)3; }
 
 /* The fused forward's counters (uint32, src/cuda/forward/fused.cu), each counting warpgroup
  * releases (2 per finished tile):
@@ -239,6 +255,17 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_GS] = off, off = mok_ws_align(off + rec * T * Is * 2);
   l->ws[MOK_WS_US] = off, off = mok_ws_align(off + rec * T * Is * 2);
   l->ws[MOK_WS_WGRAD32] = off, off = mok_ws_align(off + (size_t)d->wgrad_stage * 4);
+  const size_t q = d->fp8 ? 1 : 0, T4 = (size_t)mok_ws_ld4(d->T_max), R4 = (size_t)mok_ws_ld4(d->R);
+  l->ws[MOK_WS_XQT] = off, off = mok_ws_align(off + q * T * H);
+  l->ws[MOK_WS_XQT_S] = off, off = mok_ws_align(off + q * (H / 128) * T4 * 4);
+  l->ws[MOK_WS_XQ] = off, off = mok_ws_align(off + q * R * H);
+  l->ws[MOK_WS_XQ_S] = off, off = mok_ws_align(off + q * (H / 128) * R4 * 4);
+  l->ws[MOK_WS_AQ] = off, off = mok_ws_align(off + q * R * I);
+  l->ws[MOK_WS_AQ2] = off, off = mok_ws_align(off + q * R * I);
+  l->ws[MOK_WS_AQ_S] = off, off = mok_ws_align(off + q * (2 * I / 128) * R4 * 4);
+  l->ws[MOK_WS_ASQ] = off, off = mok_ws_align(off + q * T * Is);
+  l->ws[MOK_WS_ASQ2] = off, off = mok_ws_align(off + q * T * Is);
+  l->ws[MOK_WS_ASQ_S] = off, off = mok_ws_align(off + q * (2 * Is / 128) * T4 * 4);
   l->ws_bytes = off;
 
   off = 0;
@@ -272,6 +299,7 @@ MOK_WS_FN mok_ws_dims_t mok_ws_dims(const mok_layer_desc_t *desc, int64_t EL, in
   d.wgrad_stage = desc->wgrad_dtype == MOK_WGRAD_BF16 && desc->wgrad_accumulate
                       ? (routed > shared ? routed : shared)
                       : 0;
+  d.fp8 = desc->precision == MOK_PRECISION_FP8_BLOCK;
   return d;
 }
 

@@ -1,6 +1,6 @@
 /*
- * gpu/backward.c: mok_backward on a GPU layer, host side. W = 1 and BF16 run the unfused GPU
- * backward of docs/design.md ("The layer"): a chain of kernels on the caller's stream
+ * gpu/backward.c: mok_backward on a GPU layer, host side. W = 1 runs the unfused GPU backward of
+ * docs/design.md ("The layer"): a chain of kernels on the caller's stream
  * (src/cuda/backward/backward.h), with no host synchronization and no device data read on the
  * host, like the forward (gpu/forward.c):
  *
@@ -18,6 +18,11 @@
  *                          of expert e in layout order; dWsd = dyᵀ · as, dWsg = dgsᵀ · x,
  *                          dWsu = dusᵀ · x (mok_grouped_wgrad_launch)
  *   dx reduce              dx [T, H] = bf16(dxs + Σ_k dxk[row(t, k)]), dtopk_w [T, K]
+ *
+ * fp8-block layers run the same chain with e4m3 GEMMs for the recompute, ds and the data
+ * gradients: dyg, dy (along H) and dg, du (along I) quantized per row in 1x128 blocks, times the
+ * transposed weight copies of mok_quantize_weights; the weight gradients stay bf16 GEMMs of the
+ * unquantized rows, as the reference's (src/cpu/ref_backward.c).
  *
  * The steps from the gate/up recompute to the weight gradients are the local chain
  * (mok_gpu_backward_local), which the expert-parallel backward (gpu/backward_ep.c) runs too, on
@@ -65,12 +70,76 @@ static mokResult_t bwd_zero_wgrads(mok_layer_t l, const mok_backward_args_t *g, 
 
 /* ---- the local chain ------------------------------------------------------------------------- */
 
+/* fp8-block, RECOMPUTE mode: g, u (and gs, us) again, bit for bit the forward's: the gathered x
+ * rows quantized per row (the forward quantized each token once and copied its rows: the same
+ * bytes), the forward's fp8 SwiGLU GEMMs; x itself quantized for the shared expert. */
+static mokResult_t fp8_recompute(mok_layer_t l, const mok_forward_args_t *a,
+                                 const mok_bwd_rows_t *c, void *stream) {
+  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
+                Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
+  const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
+#define WS(region) mok_gpu_ws(l, region)
+  mokResult_t r =
+      mok_gpu_quantize_rows(l, WS(MOK_WS_XG), R, H, WS(MOK_WS_XQ), WS(MOK_WS_XQ_S), R4, stream);
+  if (r != MOK_SUCCESS) return r;
+  mok_grouped_gemm_params_t gu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
+  gu.a = WS(MOK_WS_XQ), gu.a_scale = (const float *)WS(MOK_WS_XQ_S), gu.a_scale_ld = R4;
+  mok_gpu_qw_operand(l, &a->w, MOK_QW_WG, 0, &gu);
+  mok_gpu_qw_operand(l, &a->w, MOK_QW_WU, 1, &gu);
+  gu.offsets = c->offsets;
+  gu.c = WS(MOK_WS_A); /* overwritten by the SwiGLU backward */
+  gu.row_scale = c->row_w;
+  gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U);
+  if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "fp8 recompute gate/up", stream)) != MOK_SUCCESS)
+    return r;
+  if (Is > 0 && T > 0) {
+    if ((r = mok_gpu_quantize_rows(l, a->x, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, stream)) !=
+        MOK_SUCCESS)
+      return r;
+    mok_grouped_gemm_params_t sgu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
+    sgu.a = WS(MOK_WS_XQT), sgu.a_scale = (const float *)WS(MOK_WS_XQT_S), sgu.a_scale_ld = T4;
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSU, 1, &sgu);
+    sgu.offsets = c->shared_offsets;
+    sgu.c = WS(MOK_WS_AS);
+    sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
+    r = mok_gpu_gemm(l, &sgu, "mok_backward", "fp8 recompute shared gate/up", stream);
+  }
+#undef WS
+  return r;
+}
+
+/* fp8-block: the data-gradient GEMM p (dxk, or the shared dxs: its epilogue, groups and offsets
+ * already set) as fp8, dg and du [rows, n] quantized along n into q, q2 with one K-block-major
+ * scale array (du's blocks after dg's), times the transposed copies of the gate and up weights
+ * (`gate_t`, and the up copy right after it in mok_qw_which_t): one reduction of 2n, gate first,
+ * as the reference's data_grad. */
+static mokResult_t fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, const void *dg,
+                                 const void *du, int64_t rows, int64_t n, int64_t ld, void *q,
+                                 void *q2, float *scales, mok_qw_which_t gate_t,
+                                 mok_grouped_gemm_params_t *p, void *stream) {
+  mokResult_t r = mok_gpu_quantize_rows(l, dg, rows, n, q, scales, ld, stream);
+  if (r == MOK_SUCCESS)
+    r = mok_gpu_quantize_rows(l, du, rows, n, q2, scales + (n / 128) * ld, ld, stream);
+  if (r != MOK_SUCCESS) return r;
+  mok_grouped_gemm_params_t f = mok_gg_fp8_params(p->epilogue, p->num_groups, p->m_total, p->n, n);
+  f.a = q, f.a2 = q2, f.k2 = n;
+  f.a_scale = scales, f.a_scale_ld = ld;
+  mok_gpu_qw_operand(l, &a->w, gate_t, 0, &f);
+  mok_gpu_qw_operand(l, &a->w, (mok_qw_which_t)(gate_t + 1), 1, &f); /* the up copy */
+  f.offsets = p->offsets, f.c = p->c;
+  *p = f;
+  return MOK_SUCCESS;
+}
+
 mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
                                    const mok_backward_args_t *gr, const mok_bwd_rows_t *c,
                                    void *stream) {
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = Is > 0 && T > 0;
+  const int fp8 = l->d.precision == MOK_PRECISION_FP8_BLOCK;
+  const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
   const mok_ws_layout_t *lay = &l->gpu->lay; /* computed once, at mok_layer_create */
   mokResult_t r;
 #define WS(region) mok_gpu_ws(l, region)
@@ -80,7 +149,9 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   const void *g = save ? CTX(MOK_CTX_G) : WS(MOK_WS_G), *u = save ? CTX(MOK_CTX_U) : WS(MOK_WS_U);
   const void *gs = save ? CTX(MOK_CTX_GS) : WS(MOK_WS_GS);
   const void *us = save ? CTX(MOK_CTX_US) : WS(MOK_WS_US);
-  if (!save) {
+  if (!save && fp8) {
+    if ((r = fp8_recompute(l, a, c, stream)) != MOK_SUCCESS) return r;
+  } else if (!save) {
     mok_grouped_gemm_params_t gu =
         mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, E, R, I, H);
     gu.a = WS(MOK_WS_XG);         /* [R, H] */
@@ -106,9 +177,19 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     }
   }
 
-  /* ds [R, I] = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major). */
+  /* ds [R, I] = dyg · Wd[e] (Wd [E, H, I] is B [E, K = H, N = I], N-major; fp8: dyg quantized
+   * along H times the transposed copy Wdᵀ [E, I, H], K-major). */
   mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
   dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
+  if (fp8) {
+    if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_DYG), R, H, WS(MOK_WS_XQ), WS(MOK_WS_XQ_S), R4,
+                                   stream)) != MOK_SUCCESS)
+      return r;
+    dsp = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, E, R, I, H);
+    dsp.a = WS(MOK_WS_XQ), dsp.a_scale = (const float *)WS(MOK_WS_XQ_S), dsp.a_scale_ld = R4;
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WD_T, 0, &dsp);
+    dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
+  }
   if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
 
   /* SwiGLU backward: a, dg, du [R, I], dw_row [R]. */
@@ -125,6 +206,10 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   mok_grouped_gemm_params_t dx = mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_NMAJOR, E, R, H, I);
   dx.a = WS(MOK_WS_DG), dx.b = a->w.wg, dx.offsets = c->offsets, dx.c = WS(MOK_WS_DXK);
   dx.a2 = WS(MOK_WS_DU), dx.b2 = a->w.wu, dx.k2 = I;
+  if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DG), WS(MOK_WS_DU), R, I, R4, WS(MOK_WS_AQ),
+                                WS(MOK_WS_AQ2), (float *)WS(MOK_WS_AQ_S), MOK_QW_WG_T, &dx,
+                                stream)) != MOK_SUCCESS)
+    return r;
   if ((r = mok_gpu_gemm(l, &dx, "mok_backward", "routed dx", stream)) != MOK_SUCCESS) return r;
 
   /* Shared expert: one group [0, T) of dy and x themselves, weight 1, no router gradient. */
@@ -132,6 +217,15 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
     ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = c->shared_offsets; /* Wsd [H, Is] = [K, N] */
     ss.c = WS(MOK_WS_DSS);                                          /* [T, Is] */
+    if (fp8) {
+      if ((r = mok_gpu_quantize_rows(l, gr->dy, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4,
+                                     stream)) != MOK_SUCCESS)
+        return r;
+      ss = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, 1, T, Is, H);
+      ss.a = WS(MOK_WS_XQT), ss.a_scale = (const float *)WS(MOK_WS_XQT_S), ss.a_scale_ld = T4;
+      mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD_T, 0, &ss); /* [Is, H] */
+      ss.offsets = c->shared_offsets, ss.c = WS(MOK_WS_DSS);
+    }
     if ((r = mok_gpu_gemm(l, &ss, "mok_backward", "shared ds", stream)) != MOK_SUCCESS) return r;
     mok_bwd_swiglu_params_t ssb;
     memset(&ssb, 0, sizeof(ssb));
@@ -143,6 +237,10 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     sx.a = WS(MOK_WS_DGS), sx.b = a->w.wsg, sx.offsets = c->shared_offsets; /* Wsg [Is, H] */
     sx.a2 = WS(MOK_WS_DUS), sx.b2 = a->w.wsu, sx.k2 = Is; /* one reduction of 2 Is */
     sx.c = WS(MOK_WS_DXS);                                /* [T, H] fp32 */
+    if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DGS), WS(MOK_WS_DUS), T, Is, T4, WS(MOK_WS_ASQ),
+                                  WS(MOK_WS_ASQ2), (float *)WS(MOK_WS_ASQ_S), MOK_QW_WSG_T, &sx,
+                                  stream)) != MOK_SUCCESS)
+      return r;
     if ((r = mok_gpu_gemm(l, &sx, "mok_backward", "shared dx", stream)) != MOK_SUCCESS) return r;
   }
 

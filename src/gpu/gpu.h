@@ -7,6 +7,7 @@
 #define MOK_GPU_GPU_H
 
 #include "api/api.h"
+#include "common/quantized_layout.h"
 #include "common/workspace.h"
 
 #ifdef MOK_WITH_CUDA
@@ -23,6 +24,7 @@ struct mok_gpu_layer {
                         synchronizes with */
   int ran;           /* a forward or backward was enqueued since the layer was created */
   mok_transport_t tp; /* W > 1: the transport (window, cross-rank layout, dispatch, combine) */
+  mok_qw_layout_t qw; /* fp8-block: where each operand copy lies in the quantized weights */
 };
 
 /* W > 1: the forward and backward of an expert-parallel layer (src/gpu/forward_ep.c,
@@ -85,6 +87,17 @@ mokResult_t mok_gpu_begin_call(mok_layer_t l, const char *fn, mok_stream_t strea
  * group_m); `fn` and `what` name it in the error. */
 mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *fn,
                          const char *what, void *stream);
+
+/* fp8-block layers: `rows` bf16 rows of `cols` (in, device memory) quantized along the row in 1x128
+ * blocks with the layer's scale rounding, exactly as mok_quantize_host does, into e4m3 q [rows,
+ * cols] and K-block-major scales (row r, block b at scales[b * ld + r], ld >= rows). */
+mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, int64_t cols,
+                                  void *q, void *scales, int64_t ld, void *stream);
+
+/* fp8-block layers: B and b_scale of a GEMM (p->b, p->b_scale; second = 1: p->b2, p->b2_scale) from
+ * operand copy `which` of the caller's quantized weights w. */
+void mok_gpu_qw_operand(mok_layer_t l, const mok_weights_t *w, mok_qw_which_t which, int second,
+                        mok_grouped_gemm_params_t *p);
 
 /* A region of the layer's workspace. */
 static inline void *mok_gpu_ws(mok_layer_t l, mok_ws_region_t r) {

@@ -2,8 +2,8 @@
  * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h, and with W > 1 its
  * transport), its sizes, the start of every call on it, and the asynchronous errors its kernels
  * report through the workspace's error word and the transport's (mok_layer_check). BF16 layers
- * run on the GPU; fp8 layers allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their
- * calls.
+ * run on the GPU, and fp8-block layers with W = 1; the others (MXFP8, fp8-block expert-parallel)
+ * allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their calls.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,11 +15,15 @@
 #ifdef MOK_WITH_CUDA
 #include "cuda/backward/backward.h"
 #include "cuda/forward/forward.h"
+#include "cuda/quant/quant.h"
 #endif
 
 #ifdef MOK_WITH_CUDA
 
-static int gpu_runs(mok_layer_t l) { return l->d.precision == MOK_PRECISION_BF16; }
+static int gpu_runs(mok_layer_t l) {
+  return l->d.precision == MOK_PRECISION_BF16 ||
+         (l->d.precision == MOK_PRECISION_FP8_BLOCK && l->comm->nranks == 1);
+}
 
 mokResult_t mok_gpu_cuda_fail(mok_layer_t l, const char *call, cudaError_t e) {
   cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
@@ -53,6 +57,16 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
   const mok_shape_t shape = {l->d.max_tokens, l->d.hidden, l->d.intermediate,
                              l->d.shared_intermediate, l->EL, l->d.top_k, l->capacity_rows};
   char why[256];
+  if (l->d.precision == MOK_PRECISION_FP8_BLOCK &&
+      (l->d.hidden % 128 || l->d.intermediate % 128 || l->d.shared_intermediate % 128)) {
+    mok_gpu_layer_destroy(l);
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "mok_layer_create on a GPU: an fp8-block layer needs hidden, intermediate "
+                    "and shared_intermediate multiples of 128 (its scale blocks), got %lld, %lld, "
+                    "%lld", (long long)l->d.hidden, (long long)l->d.intermediate,
+                    (long long)l->d.shared_intermediate);
+  }
+  if (l->d.precision == MOK_PRECISION_FP8_BLOCK) mok_qw_layout(&l->d, l->EL, &g->qw);
   if (mok_shape_check(&shape, why, sizeof(why)) != MOK_SUCCESS) {
     mok_gpu_layer_destroy(l);
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "mok_layer_create on a GPU: %s", why);
@@ -143,12 +157,14 @@ size_t mok_gpu_context_bytes(mok_layer_t l) {
 /* ---- the start of a call ---------------------------------------------------------------------- */
 
 static mokResult_t gpu_check_supported(mok_layer_t l, const char *fn) {
-  if (l->d.precision != MOK_PRECISION_BF16)
+  if (!gpu_runs(l))
     return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "%s on GPU %d: %s layers are not implemented on the GPU yet (BF16 is); use a "
-                    "BF16 layer, or MOK_DEVICE_CPU for the reference",
+                    "%s on GPU %d: %s layers are not implemented on the GPU yet (BF16 is, and "
+                    "fp8-block with one rank); use a BF16 layer, or MOK_DEVICE_CPU for the "
+                    "reference",
                     fn, l->comm->device,
-                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "fp8-block" : "MXFP8");
+                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "expert-parallel fp8-block"
+                                                              : "MXFP8");
   if (!l->gpu || !l->gpu->ws)
     return mok_fail(l, MOK_ERROR_INTERNAL, "%s: GPU layer without a workspace", fn);
   return MOK_SUCCESS;
@@ -174,6 +190,37 @@ mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, cons
   return MOK_SUCCESS;
 }
 
+
+mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, int64_t cols,
+                                  void *q, void *scales, int64_t ld, void *stream) {
+  mok_quantize_params_t p;
+  memset(&p, 0, sizeof(p));
+  p.in = in;
+  p.count = 1;
+  p.rows = rows;
+  p.cols = cols;
+  p.block_rows = 1;
+  p.block_cols = 128;
+  p.kind = l->d.fp8_scale == MOK_FP8_SCALE_POW2 ? MOK_QUANT_POW2_SCALE : MOK_QUANT_FP32_SCALE;
+  p.q = (uint8_t *)q;
+  p.scales = scales;
+  p.scales_ld = ld;
+  const mokResult_t r = mok_quantize_launch(&p, stream);
+  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+}
+
+void mok_gpu_qw_operand(mok_layer_t l, const mok_weights_t *w, mok_qw_which_t which, int second,
+                        mok_grouped_gemm_params_t *p) {
+  const mok_qw_operand_t *o = &l->gpu->qw.op[which];
+  const uint8_t *base = (const uint8_t *)w->quantized;
+  if (second) {
+    p->b2 = base + o->data;
+    p->b2_scale = (const float *)(base + o->scales);
+  } else {
+    p->b = base + o->data;
+    p->b_scale = (const float *)(base + o->scales);
+  }
+}
 
 /* The weight-gradient GEMM of a backward chain (gpu.h). */
 mokResult_t mok_gpu_wgrad(mok_layer_t l, int64_t groups, int64_t m, int64_t n, int64_t k,

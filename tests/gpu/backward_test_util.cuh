@@ -120,8 +120,12 @@ static mokResult_t cpu_backward(const bwd_problem_t *p, bwd_out_t *o,
     o->dw[i].assign(bwd_w_bytes(p, i) + 16, 0);
     if (p->accumulate) memcpy(o->dw[i].data(), p->dw0[i].data(), bwd_w_bytes(p, i));
   }
-  const mok_forward_args_t a = test_forward_args(T, f.x.data(), f.idx.data(), f.tw.data(),
-                                                 fwd_weights(&f, 1));
+  mok_weights_t w = fwd_weights(&f, 1);
+  if ((r = test_cpu_layer_weights(&c, &w)) != MOK_SUCCESS) {
+    test_cpu_layer_close(&c);
+    return r;
+  }
+  const mok_forward_args_t a = test_forward_args(T, f.x.data(), f.idx.data(), f.tw.data(), w);
   void *dw[BWD_NW];
   for (int i = 0; i < BWD_NW; i++) dw[i] = o->dw[i].data();
   const mok_backward_args_t g =

@@ -43,6 +43,8 @@ typedef struct {
   std::vector<uint16_t> wg, wu, wd, wsg, wsu, wsd;
   std::vector<int32_t> idx; // [T_max, K]
   std::vector<float> tw;    // [T_max, K]
+  mok_precision_t prec;     // BF16 unless a test sets another
+  mok_fp8_scale_t fp8_scale;
 } fwd_problem_t;
 
 // The routing stream (the values come from gemm_test_util.h's g_rng).
@@ -59,6 +61,8 @@ static void fwd_problem_init(fwd_problem_t *p, int64_t H, int64_t I, int64_t E, 
   p->T = T, p->T_max = T_max, p->H = H, p->I = I, p->E = E, p->K = K, p->Is = Is;
   p->capacity_factor = 0;
   p->mode = MOK_CONTEXT_SAVE;
+  p->prec = MOK_PRECISION_BF16;
+  p->fp8_scale = MOK_FP8_SCALE_FP32;
   p->x.resize((size_t)(T_max * H));
   p->wg.resize((size_t)(E * I * H));
   p->wu.resize((size_t)(E * I * H));
@@ -85,6 +89,8 @@ static mok_layer_desc_t fwd_desc(const fwd_problem_t *p, int64_t Is, int64_t T_m
   mok_layer_desc_t d = test_layer_desc(p->H, p->I, p->E, p->K, Is, T_max);
   d.capacity_factor = p->capacity_factor;
   d.context_mode = p->mode;
+  d.precision = p->prec;
+  d.fp8_scale = p->fp8_scale;
   return d;
 }
 
@@ -142,7 +148,12 @@ static mokResult_t cpu_forward(const fwd_problem_t *p, int64_t T, const uint16_t
   mokResult_t r = test_cpu_layer_open(&c, &d);
   if (r != MOK_SUCCESS) return r;
   y->assign((size_t)(T * p->H), 0);
-  const mok_forward_args_t a = test_forward_args(T, x, idx, tw, fwd_weights(p, Is > 0));
+  mok_weights_t w = fwd_weights(p, Is > 0);
+  if ((r = test_cpu_layer_weights(&c, &w)) != MOK_SUCCESS) {
+    test_cpu_layer_close(&c);
+    return r;
+  }
+  const mok_forward_args_t a = test_forward_args(T, x, idx, tw, w);
   r = mok_forward(c.l, &a, T ? y->data() : NULL, c.ctx, c.ctx_bytes, NULL);
   if (r == MOK_SUCCESS && ctx) ctx->assign((uint8_t *)c.ctx, (uint8_t *)c.ctx + c.ctx_bytes);
   test_cpu_layer_close(&c);

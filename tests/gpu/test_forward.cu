@@ -428,7 +428,7 @@ MOK_TEST(fwd_gpu_capacity_overflow_reported_by_check) {
 /* Sizes and what is not implemented                                                               */
 /* ---------------------------------------------------------------------------------------------- */
 
-MOK_TEST(fwd_gpu_sizes_and_fp8_not_implemented) {
+MOK_TEST(fwd_gpu_sizes_and_mxfp8_not_implemented) {
   NEED_GPU();
   fwd_problem_t p;
   fwd_problem_init(&p, 256, 128, 8, 2, 128, 64, 64);
@@ -444,7 +444,7 @@ MOK_TEST(fwd_gpu_sizes_and_fp8_not_implemented) {
   mok_layer_t l = NULL;
   MOK_REQUIRE(mok_comm_create_local(&c, 0) == MOK_SUCCESS);
   mok_layer_desc_t d = fwd_desc(&p, 0, 64);
-  d.precision = MOK_PRECISION_FP8_BLOCK;
+  d.precision = MOK_PRECISION_MXFP8;  // fp8-block runs: test_fp8_layer.cu
   MOK_REQUIRE(mok_layer_create(&l, c, &d) == MOK_SUCCESS);
   MOK_EXPECT(mok_layer_workspace_size(l, &ws) == MOK_SUCCESS && ws == 0);
   void *buf = NULL, *ctx = NULL;
@@ -457,7 +457,7 @@ MOK_TEST(fwd_gpu_sizes_and_fp8_not_implemented) {
   memset(&a, 0, sizeof(a));
   a.w.quantized = buf, a.w.quantized_bytes = qb;
   MOK_EXPECT(mok_forward(l, &a, NULL, ctx, cb, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
-  MOK_EXPECT(strstr(mok_layer_last_error(l), "fp8-block") != NULL);
+  MOK_EXPECT(strstr(mok_layer_last_error(l), "MXFP8") != NULL);
   cudaFree(buf);
   cudaFree(ctx);
   mok_layer_destroy(l);

@@ -81,17 +81,28 @@ MOK_TEST(gemm_launcher_rejects_bad_arguments) {
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.b_scale = fs; p.a_scale = (const float *)(buf + 4);
   p.a_scale_ld = 256;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_MISALIGNED);
+  // fp8 SwiGLU needs up's scales; a second fp8 segment K-block-major scales over both segments,
+  // K2 % 128 == 0 and a storing epilogue
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs;
   p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = p.b2_scale = fs;
+  p.k2 = 128; p.a2 = p.b2 = ok;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_VALUE);
+  p.a_scale_ld = 256; p.k2 = 192;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p.k2 = 128; p.epilogue = MOK_GG_EPI_ACCUM_F32;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  p.epilogue = MOK_GG_EPI_STORE_F32; p.b2_scale = NULL;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.b_layout = MOK_GG_B_NMAJOR;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
   p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k = 72;  // N-major B needs K % 64 == 0
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.b_layout = MOK_GG_B_NMAJOR; p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
-  // a second reduction segment (a2, b2, k2): N-major bf16 only, K2 % 64 == 0, both operands
-  p = base; p.k2 = 64; p.a2 = p.b2 = ok;  // K-major B
+  // a second reduction segment (a2, b2, k2): bf16 with N-major B, K2 % 64 == 0, both operands
+  p = base; p.k2 = 64; p.a2 = p.b2 = ok;  // K-major bf16 B
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
   p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k2 = 64; p.b2 = ok;  // no a2
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);

@@ -173,3 +173,231 @@ MOK_TEST(gemm_fp8_block_matches_cpu) {
   check_fp8(small, MOK_GG_EPI_STORE_BF16);
   check_fp8(small, MOK_GG_EPI_ACCUM_F32);
 }
+
+/* ---------------------------------------------------------------------------------------------- */
+/* fp8-block SwiGLU and the second reduction segment                                              */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Random e4m3 operands and scales near 2^-9 (products of the size the layer's GEMMs see).
+struct fp8_operand {
+  std::vector<uint8_t> q;
+  std::vector<float> s;
+  fp8_operand(size_t n, size_t ns) : q(n), s(ns) {
+    for (auto &v : q) v = rnd_e4m3();
+    for (auto &v : s) v = ldexp(1.0f + 0.5f * rnd_unit(), -9);
+  }
+};
+
+// Σ_kb scale_kb · Σ_{k in kb} a_k b_k over one [K] pair, and the sum of the squared scaled terms
+// (for the tolerance of check_fp8).
+static double fp8_dot(const uint8_t *a, const float *sa, int sa_stride, const uint8_t *b,
+                      const float *sb, int KB, double *sq) {
+  double ref = 0;
+  for (int kb = 0; kb < KB; kb++) {
+    const double scale = (double)sa[(size_t)kb * sa_stride] * sb[kb];
+    double blk = 0;
+    for (int k = 128 * kb; k < 128 * kb + 128; k++) {
+      const double t = e4m3_to_double(a[k]) * e4m3_to_double(b[k]);
+      blk += t;
+      *sq += t * t * scale * scale;
+    }
+    ref += blk * scale;
+  }
+  return ref;
+}
+
+// SwiGLU: gate B = Wg, B2 = Wu (each with its 128x128 scales), row scales w; a = bf16(w silu(g) u)
+// and bf16 g, u against fp64 on the host (g, u with check_fp8's tolerance, carried through the
+// SwiGLU's derivatives into a), rows outside every group untouched; bitwise run to run, on a CTA
+// per SM, and with the activation scales K-block major.
+static void check_fp8_swiglu(const problem_t &pr) {
+  const int G = pr.G, M = pr.M, N = pr.N, K = pr.K, KB = K / 128, NB = N / 128;
+  fp8_operand A((size_t)M * K, (size_t)M * KB), Bg((size_t)G * N * K, (size_t)G * NB * KB),
+      Bu((size_t)G * N * K, (size_t)G * NB * KB);
+  std::vector<float> w(M);
+  for (auto &v : w) v = 0.25f + 0.75f * fabsf(rnd_unit());
+  const int ld = (M + 3) / 4 * 4 + 4;
+  std::vector<float> sa_t((size_t)KB * ld, NAN);
+  for (int r = 0; r < M; r++)
+    for (int kb = 0; kb < KB; kb++) sa_t[(size_t)kb * ld + r] = A.s[(size_t)r * KB + kb];
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+  uint8_t *da = to_dev(A.q), *dbg = to_dev(Bg.q), *dbu = to_dev(Bu.q);
+  float *dsa = to_dev(A.s), *dsg = to_dev(Bg.s), *dsu = to_dev(Bu.s), *dw = to_dev(w),
+        *dsa_t = to_dev(sa_t);
+  int32_t *doffs = to_dev(offs32);
+  const size_t cbytes = (size_t)M * N * 2;
+  uint16_t *dc = NULL, *dg = NULL, *du = NULL;
+  cudaMalloc(&dc, cbytes);
+  cudaMalloc(&dg, cbytes);
+  cudaMalloc(&du, cbytes);
+  MOK_REQUIRE(da && dbg && dbu && dsa && dsg && dsu && dw && dsa_t && doffs && dc && dg && du);
+  mok_grouped_gemm_params_t p =
+      gemm_params(MOK_GG_FP8_BLOCK, MOK_GG_EPI_SWIGLU, G, M, N, K, da, dbg, doffs, dc);
+  p.b2 = dbu;
+  p.a_scale = dsa;
+  p.b_scale = dsg;
+  p.b2_scale = dsu;
+  p.row_scale = dw;
+  p.g_out = dg;
+  p.u_out = du;
+  p.num_sms = 5;
+  std::vector<uint16_t> c[3], first[3];
+  for (int v = 0; v < 4; v++) {  // 5 CTAs, one per SM, K-block-major scales on 5 and on all
+    mok_grouped_gemm_params_t q = p;
+    q.num_sms = v % 2 ? 0 : 5;
+    if (v >= 2) q.a_scale = dsa_t, q.a_scale_ld = ld;
+    cudaMemset(dc, 0xFF, cbytes);
+    cudaMemset(dg, 0xFF, cbytes);
+    cudaMemset(du, 0xFF, cbytes);
+    const mokResult_t res = mok_grouped_gemm_launch(&q, NULL);
+    const cudaError_t err = cudaDeviceSynchronize();
+    MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "fp8 SwiGLU launch %d, cuda %s",
+                    (int)res, cudaGetErrorString(err));
+    uint16_t *src[3] = {dc, dg, du};
+    for (int o = 0; o < 3; o++) {
+      c[o].resize((size_t)M * N);
+      cudaMemcpy(c[o].data(), src[o], cbytes, cudaMemcpyDeviceToHost);
+      if (v == 0) first[o] = c[o];
+      else MOK_EXPECT_MSG(c[o] == first[o], "fp8 SwiGLU output %d differs in variant %d", o, v);
+    }
+  }
+  int bad = 0;
+  double worst = 0;
+  for (int r = 0; r < M; r++) {
+    const int g = group_of_row(pr, r);
+    for (int n = 0; n < N; n++) {
+      const size_t i = (size_t)r * N + n;
+      if (g < 0) {
+        if ((c[0][i] != 0xFFFF || c[1][i] != 0xFFFF || c[2][i] != 0xFFFF) && bad++ < 5)
+          mok_test_fail(__FILE__, __LINE__, "fp8 SwiGLU: row %d (no group) written", r);
+        continue;
+      }
+      double sqg = 0, squ = 0;
+      const size_t brow = (size_t)g * N + n, bs = ((size_t)g * NB + n / 128) * KB;
+      const double rg = fp8_dot(&A.q[(size_t)r * K], &A.s[(size_t)r * KB], 1, &Bg.q[brow * K],
+                                &Bg.s[bs], KB, &sqg);
+      const double ru = fp8_dot(&A.q[(size_t)r * K], &A.s[(size_t)r * KB], 1, &Bu.q[brow * K],
+                                &Bu.s[bs], KB, &squ);
+      const double tg = 0x1p-8 * sqrt(sqg), tu = 0x1p-8 * sqrt(squ);
+      const double sg = 1.0 / (1.0 + exp(-rg)), dsilu = sg * (1.0 + rg * (1.0 - sg));
+      const double ra = w[r] * silu(rg) * ru;
+      const double ta = w[r] * (fabs(dsilu * ru) * tg + fabs(silu(rg)) * tu + tg * tu) +
+                        0x1p-7 * fabs(ra) + 1e-30;
+      const double got[3] = {bf2f(c[0][i]), bf2f(c[1][i]), bf2f(c[2][i])};
+      const double ref[3] = {ra, rg, ru};
+      const double tol[3] = {ta, tg + 0x1p-7 * fabs(rg), tu + 0x1p-7 * fabs(ru)};
+      for (int o = 0; o < 3; o++) {
+        const double e = fabs(got[o] - ref[o]);
+        if (e / tol[o] > worst) worst = e / tol[o];
+        if (!(e <= tol[o]) && bad++ < 5)
+          mok_test_fail(__FILE__, __LINE__, "fp8 SwiGLU output %d (%d,%d): got %.6g, ref %.6g "
+                        "(tol %.3g)", o, r, n, got[o], ref[o], tol[o]);
+      }
+    }
+  }
+  printf("    fp8-block SwiGLU: worst |err| / tol = %.3g\n", worst);
+  MOK_EXPECT_MSG(bad == 0, "fp8 SwiGLU: %d bad elements", bad);
+  cudaFree(da); cudaFree(dbg); cudaFree(dbu); cudaFree(dsa); cudaFree(dsg); cudaFree(dsu);
+  cudaFree(dw); cudaFree(dsa_t); cudaFree(doffs); cudaFree(dc); cudaFree(dg); cudaFree(du);
+}
+
+MOK_TEST(gemm_fp8_block_swiglu_matches_cpu) {
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  // N = 256: four 64-column tiles, two per 128-row scale block of Wg and Wu; K = 384 an odd
+  // number of blocks (the mainloop's tail of one)
+  check_fp8_swiglu(make_problem(256, 384, {0, 1, 127, 128, 129, 0, 70}, 5, 37));
+  check_fp8_swiglu(make_problem(128, 128, {5, 0, 40}, 2, 3));
+}
+
+// A second segment: acc = A·B + A2·B2 with K-block-major activation scales over both. Bitwise the
+// one-segment GEMM of [A A2] and [B B2] (the same blocks in the same order), and within
+// check_fp8's tolerance of the fp64 sum; bf16 and fp32 outputs; rows outside every group
+// untouched.
+static void check_fp8_segments(const problem_t &pr, int K2, mok_gg_epilogue_t epi) {
+  const int G = pr.G, M = pr.M, N = pr.N, K = pr.K, KB = K / 128, KB2 = K2 / 128, NB = N / 128;
+  const int KT = K + K2, KBT = KB + KB2;
+  fp8_operand A((size_t)M * K, 0), A2((size_t)M * K2, 0), B((size_t)G * N * K, (size_t)G * NB * KB),
+      B2((size_t)G * N * K2, (size_t)G * NB * KB2);
+  const int ld = (M + 3) / 4 * 4 + 4;
+  std::vector<float> sa_t((size_t)KBT * ld, NAN);
+  for (int kb = 0; kb < KBT; kb++)
+    for (int r = 0; r < M; r++) sa_t[(size_t)kb * ld + r] = ldexp(1.0f + 0.5f * rnd_unit(), -9);
+  // the concatenation [A A2], [B B2] and its B scales
+  std::vector<uint8_t> ac((size_t)M * KT), bc((size_t)G * N * KT);
+  std::vector<float> sbc((size_t)G * NB * KBT);
+  for (int r = 0; r < M; r++) {
+    memcpy(&ac[(size_t)r * KT], &A.q[(size_t)r * K], K);
+    memcpy(&ac[(size_t)r * KT + K], &A2.q[(size_t)r * K2], K2);
+  }
+  for (int n = 0; n < G * N; n++) {
+    memcpy(&bc[(size_t)n * KT], &B.q[(size_t)n * K], K);
+    memcpy(&bc[(size_t)n * KT + K], &B2.q[(size_t)n * K2], K2);
+  }
+  for (int nb = 0; nb < G * NB; nb++) {
+    memcpy(&sbc[(size_t)nb * KBT], &B.s[(size_t)nb * KB], KB * 4);
+    memcpy(&sbc[(size_t)nb * KBT + KB], &B2.s[(size_t)nb * KB2], KB2 * 4);
+  }
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+  uint8_t *da = to_dev(A.q), *da2 = to_dev(A2.q), *db = to_dev(B.q), *db2 = to_dev(B2.q),
+          *dac = to_dev(ac), *dbc = to_dev(bc);
+  float *dsb = to_dev(B.s), *dsb2 = to_dev(B2.s), *dsbc = to_dev(sbc), *dsa_t = to_dev(sa_t);
+  int32_t *doffs = to_dev(offs32);
+  const int f32 = epi == MOK_GG_EPI_STORE_F32;
+  const size_t cbytes = (size_t)M * N * (f32 ? 4 : 2);
+  void *dc = NULL;
+  cudaMalloc(&dc, cbytes);
+  MOK_REQUIRE(da && da2 && db && db2 && dac && dbc && dsb && dsb2 && dsbc && dsa_t && doffs && dc);
+  mok_grouped_gemm_params_t p = gemm_params(MOK_GG_FP8_BLOCK, epi, G, M, N, K, da, db, doffs, dc);
+  p.a2 = da2, p.b2 = db2, p.k2 = K2;
+  p.a_scale = dsa_t, p.a_scale_ld = ld;
+  p.b_scale = dsb, p.b2_scale = dsb2;
+  p.num_sms = 5;
+  mok_grouped_gemm_params_t one = gemm_params(MOK_GG_FP8_BLOCK, epi, G, M, N, KT, dac, dbc, doffs, dc);
+  one.a_scale = dsa_t, one.a_scale_ld = ld, one.b_scale = dsbc;
+  one.num_sms = 0;
+  std::vector<uint8_t> c(cbytes), c1(cbytes);
+  cudaMemset(dc, 0xFF, cbytes);
+  mokResult_t res = mok_grouped_gemm_launch(&p, NULL);
+  cudaError_t err = cudaDeviceSynchronize();
+  MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "two segments: launch %d, cuda %s",
+                  (int)res, cudaGetErrorString(err));
+  cudaMemcpy(c.data(), dc, cbytes, cudaMemcpyDeviceToHost);
+  cudaMemset(dc, 0xFF, cbytes);
+  MOK_REQUIRE(mok_grouped_gemm_launch(&one, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  cudaMemcpy(c1.data(), dc, cbytes, cudaMemcpyDeviceToHost);
+  MOK_EXPECT_MSG(c == c1, "two segments (epilogue %d) differ from the concatenated GEMM", (int)epi);
+  int bad = 0;
+  for (int r = 0; r < M; r++) {
+    const int g = group_of_row(pr, r);
+    for (int n = 0; n < N; n++) {
+      const size_t i = (size_t)r * N + n;
+      const double got = f32 ? ((float *)c.data())[i] : bf2f(((uint16_t *)c.data())[i]);
+      if (g < 0) {
+        const int kept = f32 ? ((uint32_t *)c.data())[i] == 0xFFFFFFFFu
+                             : ((uint16_t *)c.data())[i] == 0xFFFF;
+        if (!kept && bad++ < 5) mok_test_fail(__FILE__, __LINE__, "row %d (no group) written", r);
+        continue;
+      }
+      double sq = 0;
+      const double ref = fp8_dot(&ac[(size_t)r * KT], &sa_t[r], ld, &bc[((size_t)g * N + n) * KT],
+                                 &sbc[((size_t)g * NB + n / 128) * KBT], KBT, &sq);
+      const double tol = 0x1p-8 * sqrt(sq) + (f32 ? 1e-6 : 0x1p-7) * fabs(ref);
+      if (!(fabs(got - ref) <= tol) && bad++ < 5)
+        mok_test_fail(__FILE__, __LINE__, "two segments (%d,%d): got %.6g, ref %.6g (tol %.3g)",
+                      r, n, got, ref, tol);
+    }
+  }
+  MOK_EXPECT_MSG(bad == 0, "two segments (epilogue %d): %d bad elements", (int)epi, bad);
+  cudaFree(da); cudaFree(da2); cudaFree(db); cudaFree(db2); cudaFree(dac); cudaFree(dbc);
+  cudaFree(dsb); cudaFree(dsb2); cudaFree(dsbc); cudaFree(dsa_t); cudaFree(doffs); cudaFree(dc);
+}
+
+MOK_TEST(gemm_fp8_block_two_segments_equal_one) {
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  // segments of 1 + 2 and 2 + 2 blocks: the switch lands inside a pair of steps and at its start
+  const problem_t pr = make_problem(256, 128, {0, 1, 127, 128, 129, 0, 70}, 5, 37);
+  check_fp8_segments(pr, 256, MOK_GG_EPI_STORE_BF16);
+  check_fp8_segments(pr, 256, MOK_GG_EPI_STORE_F32);
+  check_fp8_segments(make_problem(128, 256, {5, 0, 40}, 2, 3), 256, MOK_GG_EPI_STORE_BF16);
+}

@@ -506,6 +506,64 @@ MOK_TEST(quant_gpu_launch_matches_host) {
   MOK_EXPECT_MSG(passed == cases, "%d of %d launcher cases agree with the host", passed, cases);
 }
 
+// Transposed scales (scales_ld > 0, the fp8 GEMM's K-block-major activation scales): the same
+// e4m3 values, and every scale where the row-major launch put it, transposed, with the padding
+// past the block rows untouched; 2 matrices, 1x128 and 1x32 blocks, ragged rows and columns.
+MOK_TEST(quant_gpu_transposed_scales_match_row_major) {
+  QT_SKIP_WITHOUT_GPU();
+  const int64_t count = 2, rows = 203, cols = 640, ld = 212;
+  for (int bc = 32; bc <= 128; bc *= 4) {
+    const mok_quant_scale_t kind = bc == 32 ? MOK_QUANT_E8M0_SCALE : MOK_QUANT_FP32_SCALE;
+    const size_t sb = kind == MOK_QUANT_E8M0_SCALE ? 1 : 4, nbc = (size_t)(cols / bc);
+    std::vector<uint16_t> src((size_t)(count * rows * cols));
+    for (size_t i = 0; i < src.size(); i++) src[i] = f2bf(ldexpf(qt_unit(), (int)(i / 977 % 9) - 4));
+    const size_t qn = src.size(), sn = (size_t)count * rows * nbc * sb,
+                 tn = (size_t)count * ld * nbc * sb;
+    uint16_t *dsrc = to_dev(src);
+    uint8_t *dq = NULL, *dq2 = NULL, *ds = NULL, *dt = NULL;
+    cudaMalloc(&dq, qn);
+    cudaMalloc(&dq2, qn);
+    cudaMalloc(&ds, sn);
+    cudaMalloc(&dt, tn);
+    MOK_REQUIRE(dsrc && dq && dq2 && ds && dt);
+    cudaMemset(dt, 0xA5, tn);
+    mok_quantize_params_t p;
+    memset(&p, 0, sizeof(p));
+    p.in = dsrc, p.count = count, p.rows = rows, p.cols = cols;
+    p.block_rows = 1, p.block_cols = bc, p.kind = kind, p.q = dq, p.scales = ds;
+    mok_quantize_params_t t = p;
+    t.q = dq2, t.scales = dt, t.scales_ld = ld;
+    MOK_REQUIRE(mok_quantize_launch(&p, NULL) == MOK_SUCCESS);
+    MOK_REQUIRE_MSG(mok_quantize_launch(&t, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+    MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    std::vector<uint8_t> q(qn), q2(qn), hs(sn), ht(tn);
+    cudaMemcpy(q.data(), dq, qn, cudaMemcpyDeviceToHost);
+    cudaMemcpy(q2.data(), dq2, qn, cudaMemcpyDeviceToHost);
+    cudaMemcpy(hs.data(), ds, sn, cudaMemcpyDeviceToHost);
+    cudaMemcpy(ht.data(), dt, tn, cudaMemcpyDeviceToHost);
+    MOK_EXPECT_MSG(q == q2, "block 1x%d: e4m3 values differ", bc);
+    int bad = 0;
+    for (int64_t e = 0; e < count; e++)
+      for (int64_t c = 0; c < (int64_t)nbc; c++)
+        for (int64_t r = 0; r < ld; r++) {
+          const uint8_t *got = &ht[((e * (int64_t)nbc + c) * ld + r) * sb];
+          if (r < rows) {
+            const uint8_t *want = &hs[((e * rows + r) * (int64_t)nbc + c) * sb];
+            if (memcmp(got, want, sb) && bad++ < 3)
+              MOK_EXPECT_MSG(0, "block 1x%d: scale (%lld, %lld, %lld) misplaced", bc,
+                             (long long)e, (long long)r, (long long)c);
+          } else if (got[0] != 0xA5 && bad++ < 3) {
+            MOK_EXPECT_MSG(0, "block 1x%d: padding (%lld, %lld, %lld) written", bc, (long long)e,
+                           (long long)r, (long long)c);
+          }
+        }
+    MOK_EXPECT_MSG(bad == 0, "block 1x%d: %d scales wrong", bc, bad);
+    t.scales_ld = rows - 1;  // fewer than the block rows
+    MOK_EXPECT(mok_quantize_launch(&t, NULL) == MOK_ERROR_INVALID_SHAPE);
+    cudaFree(dsrc); cudaFree(dq); cudaFree(dq2); cudaFree(ds); cudaFree(dt);
+  }
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* mok_quantize_weights: a GPU layer against a CPU layer                                          */
 /* ---------------------------------------------------------------------------------------------- */

@@ -49,12 +49,15 @@ typedef struct {
   uint16_t *y;               /* [T_max, H] bf16 */
   uint8_t *ctx;              /* mok_context_size bytes */
   size_t ctx_bytes;
+  void *qw;                  /* fp8 layers: the weights quantized by mok_quantize_weights */
+  size_t qw_bytes;
 } test_gpu_layer_t;
 
 /* Waits for the device, then frees everything (any field may be NULL). */
 static inline void test_gpu_layer_close(test_gpu_layer_t *g) {
   cudaDeviceSynchronize();
-  void *bufs[] = {g->x, g->idx, g->tw, g->wg, g->wu, g->wd, g->wsg, g->wsu, g->wsd, g->y, g->ctx};
+  void *bufs[] = {g->x,   g->idx, g->tw, g->wg, g->wu,  g->wd,
+                  g->wsg, g->wsu, g->wsd, g->y, g->ctx, g->qw};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     if (bufs[i]) cudaFree(bufs[i]);
   if (g->l) mok_layer_destroy(g->l);
@@ -101,6 +104,20 @@ static inline int test_gpu_layer_open(test_gpu_layer_t *g, const mok_layer_desc_
   }
   cudaMemset(g->y, 0xFF, (size_t)(T * H) * b);
   cudaMemset(g->ctx, 0, g->ctx_bytes);
+  /* fp8 layers read their weights quantized, by the library's GPU quantizer */
+  if (mok_quantized_weights_size(g->l, &g->qw_bytes) != MOK_SUCCESS) g->qw_bytes = 0;
+  if (g->qw_bytes > 0) {
+    mok_weights_t dw;
+    memset(&dw, 0, sizeof(dw));
+    dw.wg = g->wg, dw.wu = g->wu, dw.wd = g->wd, dw.wsg = g->wsg, dw.wsu = g->wsu, dw.wsd = g->wsd;
+    if (cudaMalloc(&g->qw, g->qw_bytes) != cudaSuccess ||
+        mok_quantize_weights(g->l, &dw, g->qw, g->qw_bytes, NULL) != MOK_SUCCESS ||
+        cudaDeviceSynchronize() != cudaSuccess) {
+      printf("    GPU layer: quantizing the weights: %s\n", mok_last_error());
+      test_gpu_layer_close(g);
+      return 0;
+    }
+  }
   return 1;
 }
 
@@ -110,6 +127,7 @@ static inline mok_weights_t test_gpu_layer_weights(const test_gpu_layer_t *g) {
   memset(&w, 0, sizeof(w));
   w.wg = g->wg, w.wu = g->wu, w.wd = g->wd;
   w.wsg = g->wsg, w.wsu = g->wsu, w.wsd = g->wsd;
+  w.quantized = g->qw, w.quantized_bytes = g->qw_bytes;
   return w;
 }
 

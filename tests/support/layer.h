@@ -196,10 +196,12 @@ typedef struct {
   mok_layer_t l;
   void *ctx; /* 64-byte aligned, zeroed */
   size_t ctx_bytes;
+  void *qw;  /* fp8 layers: the weights quantized (test_cpu_layer_weights) */
 } test_cpu_layer_t;
 
 static inline void test_cpu_layer_close(test_cpu_layer_t *c) {
   free(c->ctx);
+  free(c->qw);
   if (c->l) mok_layer_destroy(c->l);
   if (c->comm) mok_comm_destroy(c->comm);
   memset(c, 0, sizeof(*c));
@@ -213,6 +215,19 @@ static inline mokResult_t test_cpu_layer_open(test_cpu_layer_t *c, const mok_lay
   if (r == MOK_SUCCESS) r = mok_context_size(c->l, &c->ctx_bytes);
   if (r == MOK_SUCCESS && !(c->ctx = test_alloc(c->ctx_bytes))) r = MOK_ERROR_OUT_OF_MEMORY;
   if (r != MOK_SUCCESS) test_cpu_layer_close(c);
+  return r;
+}
+
+/* The weights w (host memory) as c's layer reads them: BF16 layers as they are; fp8 layers
+ * quantized by mok_quantize_weights into c's buffer, which *w then names (w->quantized). */
+static inline mokResult_t test_cpu_layer_weights(test_cpu_layer_t *c, mok_weights_t *w) {
+  size_t bytes = 0;
+  mokResult_t r = mok_quantized_weights_size(c->l, &bytes);
+  if (r != MOK_SUCCESS || bytes == 0) return r;
+  free(c->qw);
+  if (!(c->qw = test_alloc(bytes))) return MOK_ERROR_OUT_OF_MEMORY;
+  r = mok_quantize_weights(c->l, w, c->qw, bytes, NULL);
+  w->quantized = c->qw, w->quantized_bytes = bytes;
   return r;
 }
 

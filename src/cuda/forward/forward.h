@@ -67,6 +67,12 @@ typedef struct {
 mokResult_t mok_fwd_layout_launch(const mok_fwd_local_params_t *p, void *stream);
 /* xg[slot_row[t, k]] = x[t], row_w[slot_row[t, k]] = topk_w[t, k]. */
 mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, void *stream);
+/* fp8-block layers: rq[slot_row[t, k]] = xq[t] (e4m3 [T, H] -> [R, H]) with the row's scales,
+ * K-block major on both sides (scale of row r, block b at s[b * ld + r]; xs_ld >= T), and row_w
+ * as the gather writes it. H % 128 == 0. */
+mokResult_t mok_fwd_gather_fp8_launch(const mok_fwd_local_params_t *p, const void *xq,
+                                      const float *xq_s, int64_t xs_ld, void *rq, float *rq_s,
+                                      int64_t rs_ld, void *stream);
 /* y[t] = bf16(ys[t] + yk[row(t, 0)] + ... + yk[row(t, K-1)]), fp32, slot order, empty slots
  * skipped; y untouched when the call's status is 0. */
 mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream);

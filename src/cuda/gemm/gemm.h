@@ -21,8 +21,9 @@ extern "C" {
 typedef enum {
   MOK_GG_BF16 = 0,      /* bf16 A and B, fp32 accumulation */
   MOK_GG_FP8_BLOCK = 1  /* e4m3 A (1x128 scales) and B (128x128 scales), fp32 promotion every
-                           128 reduction elements; K % 128 == 0, N % 128 == 0, B K-major, no
-                           SwiGLU yet */
+                           128 reduction elements; K % 128 == 0, N % 128 == 0, B K-major;
+                           SwiGLU (b2 = up, b2_scale) and a second segment (a2, b2, b2_scale,
+                           K2 % 128 == 0, a_scale K-block major over both) as below */
 } mok_gg_dtype_t;
 
 /* Memory layout of B per group. */
@@ -59,12 +60,14 @@ typedef struct {
   const void *a;             /* [m_total, K] bf16 (fp8-block: e4m3), 16-byte aligned */
   const void *b;             /* [G, N, K] bf16 (or [G, K, N] with MOK_GG_B_NMAJOR), 16-byte
                                 aligned (SwiGLU: gate weights) */
-  const void *b2;            /* SwiGLU: up weights [G, N, K] bf16; N-major B with k2 > 0: the
-                                second segment's B [G, K2, N] */
-  const void *a2;            /* N-major B with k2 > 0: the second segment's A [m_total, K2] */
-  int64_t k2;                /* N-major B: 0, or K2 (K2 % 64 == 0, bf16): the reduction goes on
-                                over a second pair, acc = A·B + A2·B2, one reduction of K + K2
-                                in that order (bitwise the GEMM of [A A2] and [B; B2]) */
+  const void *b2;            /* SwiGLU: up weights [G, N, K]; k2 > 0: the second segment's B,
+                                [G, K2, N] (bf16, N-major) or [G, N, K2] (fp8-block, K-major) */
+  const void *a2;            /* k2 > 0: the second segment's A [m_total, K2] */
+  int64_t k2;                /* 0, or K2: the reduction goes on over a second pair, acc = A·B +
+                                A2·B2, one reduction of K + K2 in that order (bitwise the GEMM of
+                                [A A2] and [B B2]). bf16: N-major B, K2 % 64 == 0; fp8-block:
+                                K2 % 128 == 0, STORE_BF16 or STORE_F32, a_scale K-block major
+                                [(K + K2)/128, a_scale_ld] (A2's blocks after A's) */
   const void *offsets;       /* [G + 1] int32 or int64, device memory */
   void *c;                   /* [m_total, N] bf16 or fp32 (see epilogue), 16-byte aligned */
   const float *row_scale;    /* SwiGLU only: [m_total] fp32 router weight per row; NULL = 1 */
@@ -74,6 +77,8 @@ typedef struct {
   const float *a_scale;      /* fp8-block: scale of A[r, 128 kb ..], fp32, [m_total, K/128]
                                 (a_scale_ld = 0) or [K/128, a_scale_ld] (a_scale_ld > 0) */
   const float *b_scale;      /* fp8-block: [G, N/128, K/128] fp32, 128x128 blocks of B[g] */
+  const float *b2_scale;     /* fp8-block SwiGLU: up's [G, N/128, K/128]; with k2 > 0: B2's
+                                [G, N/128, K2/128] */
   int64_t a_scale_ld;        /* fp8-block: 0, or the row stride of a_scale stored K-block major
                                 (>= m_total, a multiple of 4; a_scale 16-byte aligned): each K
                                 block's row scales are then contiguous, and the kernel loads a
@@ -123,6 +128,14 @@ static inline mok_grouped_gemm_params_t mok_gg_bf16_params(mok_gg_epilogue_t epi
   p.m_total = m;
   p.n = n;
   p.k = k;
+  return p;
+}
+
+/* The same for an fp8-block GEMM (K-major B); the callers add the scales. */
+static inline mok_grouped_gemm_params_t mok_gg_fp8_params(mok_gg_epilogue_t epi, int64_t groups,
+                                                          int64_t m, int64_t n, int64_t k) {
+  mok_grouped_gemm_params_t p = mok_gg_bf16_params(epi, MOK_GG_B_KMAJOR, groups, m, n, k);
+  p.dtype = MOK_GG_FP8_BLOCK;
   return p;
 }
 

@@ -79,6 +79,7 @@ typedef struct {
   void *g_out, *u_out;     // [M_total, N] bf16 (SwiGLU, optional)
   const float *a_scale;    // fp8-block: [M_total, K/128], or [K/128, a_scale_ld]
   const float *b_scale;    // fp8-block: [G, N/128, K/128]
+  const float *b2_scale;   // fp8-block: up's (SwiGLU) or the second segment's [G, N/128, K2/128]
   int64_t a_scale_ld;      // fp8-block: 0, or the row stride of K-block-major a_scale
 } gg_kernel_params_t;
 
@@ -306,8 +307,11 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
     if (p->num_groups * p->k >= ((int64_t)1 << 31)) return MOK_ERROR_INVALID_SHAPE;
     if (p->epilogue == MOK_GG_EPI_SWIGLU) return MOK_ERROR_NOT_IMPLEMENTED;
   }
-  if (p->k2 != 0) {  // a second reduction segment: N-major bf16 only
-    if (p->b_layout != MOK_GG_B_NMAJOR || p->dtype != MOK_GG_BF16) return MOK_ERROR_NOT_IMPLEMENTED;
+  if (p->k2 != 0) {  // a second reduction segment: N-major bf16, or fp8-block (K-major)
+    if (p->dtype == MOK_GG_BF16 && p->b_layout != MOK_GG_B_NMAJOR) return MOK_ERROR_NOT_IMPLEMENTED;
+    if (p->dtype == MOK_GG_FP8_BLOCK && p->epilogue != MOK_GG_EPI_STORE_BF16 &&
+        p->epilogue != MOK_GG_EPI_STORE_F32)
+      return MOK_ERROR_NOT_IMPLEMENTED;
     if (!p->a2 || !p->b2) return MOK_ERROR_NULL_POINTER;
     if (p->k2 < 0 || p->k2 % 64 != 0 || p->k2 >= ((int64_t)1 << 31) ||
         p->num_groups * p->k2 >= ((int64_t)1 << 31))
@@ -316,16 +320,22 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   }
   if (p->dtype == MOK_GG_FP8_BLOCK) {
     if (!p->a_scale || !p->b_scale) return MOK_ERROR_NULL_POINTER;
-    if (((uintptr_t)p->a_scale & 3u) || ((uintptr_t)p->b_scale & 3u)) return MOK_ERROR_MISALIGNED;
+    if ((p->epilogue == MOK_GG_EPI_SWIGLU || p->k2 != 0) && !p->b2_scale)
+      return MOK_ERROR_NULL_POINTER;
+    if (((uintptr_t)p->a_scale & 3u) || ((uintptr_t)p->b_scale & 3u) ||
+        ((uintptr_t)p->b2_scale & 3u))
+      return MOK_ERROR_MISALIGNED;
     if (p->a_scale_ld != 0) {  // K-block major: TMA rows of 16-byte multiples
       if (p->a_scale_ld < p->m_total || p->a_scale_ld % 4 != 0 ||
           p->a_scale_ld >= ((int64_t)1 << 31))
         return MOK_ERROR_INVALID_SHAPE;
       if ((uintptr_t)p->a_scale & 15u) return MOK_ERROR_MISALIGNED;
+    } else if (p->k2 != 0) {
+      return MOK_ERROR_INVALID_VALUE;  // both segments' scales: one K-block-major array
     }
-    if (p->k % 128 != 0 || p->n % 128 != 0) return MOK_ERROR_INVALID_SHAPE;  // scale blocks
-    if (p->b_layout != MOK_GG_B_KMAJOR || p->epilogue == MOK_GG_EPI_SWIGLU)
-      return MOK_ERROR_NOT_IMPLEMENTED;  // fp8 wgmma reads both operands K-major
+    if (p->k % 128 != 0 || p->n % 128 != 0 || p->k2 % 128 != 0)
+      return MOK_ERROR_INVALID_SHAPE;  // scale blocks
+    if (p->b_layout != MOK_GG_B_KMAJOR) return MOK_ERROR_NOT_IMPLEMENTED;  // fp8 wgmma: K-major
   }
   return MOK_SUCCESS;
 }
@@ -407,27 +417,39 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   kp.a_scale_ld = p->a_scale_ld;
   kp.b_scale = p->b_scale;
   cudaStream_t s = (cudaStream_t)stream;
+  kp.b2_scale = p->b2_scale;
   if (p->dtype == MOK_GG_FP8_BLOCK) {
-    kp.k_blocks = kp.k_split = (int)(p->k / GG8_BK);
-    kp.bn_out = GG8_BN;
-    kp.n_tiles = (int)(p->n / GG8_BN);
-    CUtensorMap ma, mb, mc, ms;
-    if (tma_encode_e4m3_sw128(&ma, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG8_BM) ||
-        tma_encode_e4m3_sw128(&mb, p->b, (uint64_t)(p->num_groups * p->n), (uint64_t)p->k, 128))
+    const int segments = p->k2 > 0;
+    kp.k_split = (int)(p->k / GG8_BK);
+    kp.k_blocks = kp.k_split + (int)(p->k2 / GG8_BK);
+    kp.bn_out = swiglu ? 64 : GG8_BN;  // SwiGLU: 64 gate and 64 up rows per B tile
+    kp.n_tiles = (int)(p->n / kp.bn_out);
+    gg8_maps_t m;
+    const uint64_t rows_b = (uint64_t)(p->num_groups * p->n);
+    const uint32_t box_b = swiglu ? 64 : 128;
+    if (tma_encode_e4m3_sw128(&m.a, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG8_BM) ||
+        tma_encode_e4m3_sw128(&m.b, p->b, rows_b, (uint64_t)p->k, box_b))
       return MOK_ERROR_CUDA;
-    mc = ms = ma;  // unused unless bf16 output, K-block major a_scale
+    m.c = m.s = m.a2 = m.b2 = m.a;  // unused unless bf16 output, K-block major a_scale, ...
     if (p->epilogue == MOK_GG_EPI_STORE_BF16 &&
-        tma_encode_bf16_sw128(&mc, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64))
+        tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64))
+      return MOK_ERROR_CUDA;
+    if (swiglu && tma_encode_e4m3_sw128(&m.b2, p->b2, rows_b, (uint64_t)p->k, box_b))
+      return MOK_ERROR_CUDA;
+    if (segments &&
+        (tma_encode_e4m3_sw128(&m.a2, p->a2, (uint64_t)p->m_total, (uint64_t)p->k2, GG8_BM) ||
+         tma_encode_e4m3_sw128(&m.b2, p->b2, rows_b, (uint64_t)p->k2, 128)))
       return MOK_ERROR_CUDA;
     const int smem_a = p->a_scale_ld != 0;
-    if (smem_a && tma_encode_f32_rows(&ms, p->a_scale, (uint64_t)kp.k_blocks,
+    if (smem_a && tma_encode_f32_rows(&m.s, p->a_scale, (uint64_t)kp.k_blocks,
                                       (uint64_t)p->a_scale_ld,
                                       (uint32_t)(p->a_scale_ld < GG8_SCALE_BOX ? p->a_scale_ld
                                                                                : GG8_SCALE_BOX)))
       return MOK_ERROR_CUDA;
-#define GG8_LAUNCH(EPI) gg_launch_fp8_config<EPI>(&kp, &ma, &mb, &mc, &ms, smem_a, grid, s)
+#define GG8_LAUNCH(EPI) gg_launch_fp8_config<EPI>(&kp, &m, smem_a, segments, grid, s)
     cudaError_t err = p->epilogue == MOK_GG_EPI_STORE_BF16 ? GG8_LAUNCH(MOK_GG_EPI_STORE_BF16)
                       : p->epilogue == MOK_GG_EPI_STORE_F32 ? GG8_LAUNCH(MOK_GG_EPI_STORE_F32)
+                      : p->epilogue == MOK_GG_EPI_SWIGLU    ? GG8_LAUNCH(MOK_GG_EPI_SWIGLU)
                                                             : GG8_LAUNCH(MOK_GG_EPI_ACCUM_F32);
 #undef GG8_LAUNCH
     return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;

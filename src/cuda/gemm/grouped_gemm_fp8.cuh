@@ -7,6 +7,13 @@
  *   B       [G, N, K] e4m3 (K-major) b_scale [G, N/128, K/128] fp32 (128x128 blocks)
  *   K % 128 == 0, N % 128 == 0 (scale blocks never straddle a tile)
  *
+ * SwiGLU (BMODE TP_FP8_B_HALVES): a tile's B rows are 64 gate rows of Wg and the same 64 rows of
+ * Wu, each half promoted with its own weight scale, so a 128 x 128 tile gives 64 output columns
+ * c = bf16(row_scale · silu(g) · u) (and bf16 g, u). A second reduction segment (BMODE
+ * TP_FP8_B_SEGMENTS, k2 > 0): K blocks past the first segment's come from A2 [M_total, K2] and
+ * B2 [G, N, K2] with b2_scale, the activation scales of both in one K-block-major array
+ * [(K + K2)/128, ld], so one accumulator holds A·B + A2·B2 (the backward's dxk = dg·Wg + du·Wu).
+ *
  * Activation scales stored K-block major ([K/128, ld], SMEM_A) come into shared memory with each
  * stage (one more TMA box per stage), so the consumers read them there; row-major ones are read
  * by the consumers from global memory, one block ahead.
@@ -66,22 +73,65 @@ struct gg8_scale_load {
   }
 };
 
+// Producer, one thread: the k_blocks stages of one tile. Stage kb holds A's K block from map_a
+// (blocks from k_split on: map_a2's, counted from its start) and B's from map_b at row b_row
+// (blocks from k_split on: map_b2's), or with HALVES B rows [0, 64) from map_b (gate) and
+// [64, 128) from map_b2 (up), boxes of 64 rows. The tile's tag goes with its first stage, as in
+// tp_produce_tile.
+template <int STAGES, int C_BYTES, int HALVES, class StageHook>
+__device__ __forceinline__ void gg8_produce_tile(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
+                                                 uint64_t *empty, const CUtensorMap *map_a,
+                                                 const CUtensorMap *map_a2, int a_row,
+                                                 const CUtensorMap *map_b,
+                                                 const CUtensorMap *map_b2, int b_row,
+                                                 int k_blocks, int k_split, int4 tag,
+                                                 StageHook hook) {
+  typedef tp_plan<GG8_BM, GG8_BN, STAGES, C_BYTES> P;
+  ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+  tp_post_tag<P>(full, ring->stage, tag);
+  for (int kb = 0; kb < k_blocks; kb++) {
+    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
+    uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES;
+    uint8_t *b_tile = a_tile + P::A_BYTES;
+    uint64_t *bar = &full[ring->stage];
+    const bool second = !HALVES && kb >= k_split;
+    const int kx = (second ? kb - k_split : kb) * GG8_BK;
+    ptx_mbar_arrive_expect_tx(bar, P::STAGE_BYTES + hook.extra_tx());
+    ptx_tma_load_2d(a_tile, second ? map_a2 : map_a, bar, kx, a_row);
+    if (HALVES) {
+      ptx_tma_load_2d(b_tile, map_b, bar, kx, b_row);
+      ptx_tma_load_2d(b_tile + 64 * MOK_TP_ROW_BYTES, map_b2, bar, kx, b_row);
+    } else {
+      ptx_tma_load_2d(b_tile, second ? map_b2 : map_b, bar, kx, b_row);
+    }
+    hook(ring->stage, kb, bar);
+    tp_ring_advance<STAGES>(ring);
+  }
+}
+
 // STAGES: ring depth; SMEM_A: activation scales [K/128, ld] through shared memory (above), else
-// [M_total, K/128] read from global memory by the consumers.
-template <int EPI, int STAGES, int SMEM_A>
+// [M_total, K/128] read from global memory by the consumers; BMODE: tile/pipeline.cuh's B scale
+// modes (TP_FP8_B_HALVES with the SwiGLU epilogue, TP_FP8_B_SEGMENTS with a second segment).
+template <int EPI, int STAGES, int SMEM_A, int BMODE>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     gg_fp8_kernel(const __grid_constant__ gg_kernel_params_t p,
-                  const __grid_constant__ CUtensorMap tm_a,  // A [M_total, K] e4m3, box [128, 128]
-                  const __grid_constant__ CUtensorMap tm_b,  // B [G*N, K] e4m3, box [128, 128]
-                  const __grid_constant__ CUtensorMap tm_c,  // C [M_total, N] bf16, box [64, 64]
-                  const __grid_constant__ CUtensorMap tm_s)  // SMEM_A: a_scale, box [1, <= 132]
+                  const __grid_constant__ CUtensorMap tm_a,   // A [M_total, K] e4m3, box [128, 128]
+                  const __grid_constant__ CUtensorMap tm_b,   // B [G*N, K] e4m3, box [128, 128]
+                                                              // (HALVES: gate, box [64, 128])
+                  const __grid_constant__ CUtensorMap tm_c,   // C [M_total, N] bf16, box [64, 64]
+                  const __grid_constant__ CUtensorMap tm_s,   // SMEM_A: a_scale, box [1, <= 132]
+                  const __grid_constant__ CUtensorMap tm_a2,  // SEGMENTS: A2 [M_total, K2]
+                  const __grid_constant__ CUtensorMap tm_b2)  // HALVES: up [G*N, K], box [64,
+                                                              // 128]; SEGMENTS: B2 [G*N, K2]
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int STAGED = EPI == MOK_GG_EPI_STORE_BF16;
   constexpr int C_BYTES = STAGED ? GG8_C_BYTES : 0;
+  constexpr int HALVES = BMODE == TP_FP8_B_HALVES;
   typedef gg8_plan<EPI, STAGES, SMEM_A> Q;
   typedef typename Q::P P;
-  static_assert(EPI != MOK_GG_EPI_SWIGLU, "fp8-block SwiGLU is not implemented");
+  static_assert((EPI == MOK_GG_EPI_SWIGLU) == HALVES, "SwiGLU tiles hold gate and up halves");
+  static_assert(BMODE != TP_FP8_B_SEGMENTS || SMEM_A, "two segments: scales in one K-major array");
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
   uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
@@ -89,29 +139,32 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   const int wg = threadIdx.x / 128;
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
-                                   p.n_tiles, p.group_m, GG8_BM, GG8_BN);
+                                   p.n_tiles, p.group_m, GG8_BM, p.bn_out);
   tp_ring_t ring = {0, 0};
   gg_tile_t tile;
 
   if (wg == 0) {
     ptx_setmaxnreg_dec<SMEM_A ? GG8_SMEM_A_PRODUCER_REGS : GG8_PRODUCER_REGS>();
     if (threadIdx.x == 0) {
+      if (BMODE != TP_FP8_B_ONE) {
+        ptx_prefetch_tensormap(&tm_b2);
+        if (!HALVES) ptx_prefetch_tensormap(&tm_a2);
+      }
       while (gg_sched_next(&sched, &tile)) {
-        tp_b_source_t b;
-        b.map_lo = b.map_hi = &tm_b;
-        b.row_lo = tile.group * p.n + tile.n0;
-        b.row_hi = b.row_lo;  // unused: BN = 128 is one box
+        const int b_row = tile.group * p.n + tile.n0;  // HALVES: gate and up rows of the columns
         if (SMEM_A) {
           gg8_scale_load sl;
           sl.map = &tm_s;
           sl.slots = smem + Q::SLOTS_OFFSET;
           sl.row0 = tile.row0 & ~3;
           sl.box_bytes = 4 * (uint32_t)min(p.a_scale_ld, (int64_t)GG8_SCALE_BOX);
-          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES>(
-              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, gg_tag(tile), sl);
+          gg8_produce_tile<STAGES, C_BYTES, HALVES>(&ring, smem, full, empty, &tm_a, &tm_a2,
+                                                    tile.row0, &tm_b, &tm_b2, b_row, p.k_blocks,
+                                                    p.k_split, gg_tag(tile), sl);
         } else {
-          tp_produce_tile<GG8_BM, GG8_BN, STAGES, C_BYTES>(
-              &ring, smem, full, empty, &tm_a, tile.row0, b, p.k_blocks, GG8_BK, gg_tag(tile));
+          gg8_produce_tile<STAGES, C_BYTES, HALVES>(&ring, smem, full, empty, &tm_a, &tm_a2,
+                                                    tile.row0, &tm_b, &tm_b2, b_row, p.k_blocks,
+                                                    p.k_split, gg_tag(tile), tp_no_stage_hook());
         }
       }
       gg_post_end<P>(&ring, full, empty);
@@ -132,10 +185,14 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         tp_fp8_scales_t sc;
         sc.a0 = p.a_scale + r0 * p.k_blocks;
         sc.a1 = p.a_scale + r1 * p.k_blocks;
-        sc.b = p.b_scale + ((int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN) * p.k_blocks;
+        // the tile's 128-row block of B (HALVES: of Wg and of Wu)
+        const int64_t nb = (int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN;
+        sc.b = p.b_scale + nb * p.k_split;
+        sc.b2 = HALVES ? p.b2_scale + nb * p.k_split : p.b2_scale + nb * (p.k_blocks - p.k_split);
+        sc.k_split = p.k_split;
         // SMEM_A: this thread's first row in the slot, which starts at row0 & ~3
         sc.sa = ptx_smem_addr(smem) + Q::SLOTS_OFFSET + 4 * (int)(row - (tile.row0 & ~3));
-        tp_consume_tile_fp8_n128<GG8_BM, STAGES, C_BYTES, SMEM_A>(
+        tp_consume_tile_fp8_n128<GG8_BM, STAGES, C_BYTES, SMEM_A, BMODE>(
             &ring, smem, full, empty, p.k_blocks, cw,
             gg_skip_rows(p, tile.row0 + 64 * cw, tile.row_end), sc, total);
       }
@@ -144,7 +201,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
       const int wg_row0 = tile.row0 + 64 * cw;
       uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
-      if (STAGED && wg_row0 + 64 <= tile.row_end) {
+      if (HALVES) {
+        epi_store_swiglu<64>(total, (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.g_out,
+                             (__nv_bfloat16 *)p.u_out, epi_row_scales(p.row_scale, e), e);
+      } else if (STAGED && wg_row0 + 64 <= tile.row_end) {
         epi_store_staged<0, 0, 0>(total, stage_c, &tm_c, make_float2(1.0f, 1.0f), tile.n0, p.n,
                                   wg_row0, MOK_BAR_GEMM_EPI + cw, lt);
       } else if (EPI == MOK_GG_EPI_STORE_BF16) {
@@ -160,29 +220,37 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 #endif
 }
 
-template <int EPI, int STAGES, int SMEM_A>
-static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const CUtensorMap *ma,
-                                 const CUtensorMap *mb, const CUtensorMap *mc,
-                                 const CUtensorMap *ms, int grid, cudaStream_t stream) {
+// The maps of an fp8 launch (unused ones are copies of `a`).
+typedef struct {
+  CUtensorMap a, b, c, s, a2, b2;
+} gg8_maps_t;
+
+template <int EPI, int STAGES, int SMEM_A, int BMODE>
+static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const gg8_maps_t *m, int grid,
+                                 cudaStream_t stream) {
   const int bytes = gg8_plan<EPI, STAGES, SMEM_A>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI, STAGES, SMEM_A>,
+  cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
-  gg_fp8_kernel<EPI, STAGES, SMEM_A><<<grid, MOK_TP_THREADS, bytes, stream>>>(*kp, *ma, *mb, *mc,
-                                                                               *ms);
+  gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE><<<grid, MOK_TP_THREADS, bytes, stream>>>(
+      *kp, m->a, m->b, m->c, m->s, m->a2, m->b2);
   return cudaGetLastError();
 }
 
 // The fp8 configurations: activation scales [K/128, ld] through shared memory (5 stages: with 6
 // the slots do not fit beside the output staging), or [M_total, K/128] from global memory with 6
 // stages. The first measured 0-4% faster at every benchmark shape (docs/performance.md, "fp8-block GEMM: activation scales").
+// A second segment needs the first (its scales are one K-block-major array).
 template <int EPI>
-static cudaError_t gg_launch_fp8_config(const gg_kernel_params_t *kp, const CUtensorMap *ma,
-                                        const CUtensorMap *mb, const CUtensorMap *mc,
-                                        const CUtensorMap *ms, int smem_a, int grid,
-                                        cudaStream_t stream) {
-  return smem_a ? gg_launch_fp8<EPI, 5, 1>(kp, ma, mb, mc, ms, grid, stream)
-                : gg_launch_fp8<EPI, GG8_STAGES, 0>(kp, ma, mb, mc, ms, grid, stream);
+static cudaError_t gg_launch_fp8_config(const gg_kernel_params_t *kp, const gg8_maps_t *m,
+                                        int smem_a, int segments, int grid, cudaStream_t stream) {
+  constexpr int ONE = EPI == MOK_GG_EPI_SWIGLU ? TP_FP8_B_HALVES : TP_FP8_B_ONE;
+  if constexpr (EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_STORE_F32) {
+    if (segments) return gg_launch_fp8<EPI, 5, 1, TP_FP8_B_SEGMENTS>(kp, m, grid, stream);
+  }
+  (void)segments;  // validated: no second segment with the other epilogues
+  return smem_a ? gg_launch_fp8<EPI, 5, 1, ONE>(kp, m, grid, stream)
+                : gg_launch_fp8<EPI, GG8_STAGES, 0, ONE>(kp, m, grid, stream);
 }
 
 #endif /* MOK_CUDA_GROUPED_GEMM_FP8_CUH */

@@ -38,6 +38,10 @@ typedef struct {
   mok_quant_scale_t kind;
   uint8_t *q;                 /* device memory */
   void *scales;               /* device memory, 4-byte aligned for fp32 scales */
+  int64_t scales_ld;          /* 0: scales as above; > 0: transposed, scale (b_r, b_c) of a
+                                 matrix at [b_c * scales_ld + b_r] (scales_ld >= ceil(rows /
+                                 block_rows); matrices scales_ld * ceil(cols / block_cols) apart):
+                                 the K-block-major activation scales of the fp8 grouped GEMM */
 } mok_quantize_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,

@@ -58,6 +58,7 @@ typedef struct {
   uint8_t *q;              // [count, rows, cols]
   uint8_t *scales;         // [count, nbr, nbc] fp32 or bytes
   int64_t rows, cols, nbc;
+  int64_t scales_ld;       // 0, or transposed scales (mok_quantize_params_t.scales_ld)
   int64_t scale_stride;    // bytes of one matrix's scales
   int64_t tiles_r, tiles_c;
   int64_t tile_begin;      // first flat tile index of this job
@@ -107,6 +108,7 @@ __global__ void __launch_bounds__(QUANT_CTA_THREADS, 4)
     quant_scale_out_t so;
     so.scales = jb.scales + e * jb.scale_stride;
     so.nbc = jb.nbc;
+    so.ld_t = jb.scales_ld;
     so.brow0 = r0 >> jb.lbr;
     so.bcol0 = c0 >> jb.lbc;
     so.e8m0 = jb.kind == MOK_QUANT_E8M0_SCALE;
@@ -182,6 +184,11 @@ static mokResult_t quant_add_job(quant_params_t *qp, const char *fn,
                     fn, (long long)p->in_ld, (long long)p->in_stride, (long long)inner,
                     (long long)extent);
   const size_t sbytes = p->kind == MOK_QUANT_E8M0_SCALE ? 1 : 4;
+  const int64_t nbr = quant_ceil_div(rows, p->block_rows);
+  if (p->scales_ld < 0 || (p->scales_ld > 0 && p->scales_ld < nbr) || p->scales_ld > lim)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "%s: scales_ld %lld: 0 (row-major scales) or at least the %lld block rows",
+                    fn, (long long)p->scales_ld, (long long)nbr);
   if ((uintptr_t)p->in % 2 || (uintptr_t)p->scales % sbytes)
     return mok_fail(NULL, MOK_ERROR_MISALIGNED,
                     "%s: in = %p must be 2-byte aligned, scales = %p %zu-byte aligned", fn, p->in,
@@ -205,7 +212,8 @@ static mokResult_t quant_add_job(quant_params_t *qp, const char *fn,
   j->rows = rows;
   j->cols = cols;
   j->nbc = quant_ceil_div(cols, p->block_cols);
-  j->scale_stride = quant_ceil_div(rows, p->block_rows) * j->nbc * (int64_t)sbytes;
+  j->scales_ld = p->scales_ld;
+  j->scale_stride = (p->scales_ld ? p->scales_ld : nbr) * j->nbc * (int64_t)sbytes;
   j->tiles_r = quant_ceil_div(rows, QUANT_TILE);
   j->tiles_c = quant_ceil_div(cols, QUANT_TILE);
   j->tile_begin = qp->total_tiles;

@@ -248,6 +248,7 @@ static_assert(QUANT_CTA_THREADS % 32 == 0 && QUANT_CTA_THREADS / 32 <= 32, "warp
 typedef struct {
   void *scales;          // fp32, or E8M0 bytes
   int64_t nbc;           // scale columns of the whole matrix
+  int64_t ld_t;          // 0, or transposed scales: block (r, c) at [c * ld_t + r]
   int64_t brow0, bcol0;  // block coordinates of the tile's block (0, 0)
   int e8m0;              // 1: store bytes
 } quant_scale_out_t;
@@ -298,7 +299,8 @@ __device__ __forceinline__ void quant_cta_tile128(const uint16_t *in, uint8_t *q
     if (B > QUANT_PER_THREAD) m = quant_team_max(m, B / QUANT_PER_THREAD, red);  // CTA-uniform
     const quant_block_t blk = quant_block_make(m, kind);
     if (j0 == 0 && rb < vr && cb < vc) {
-      const int64_t si = (so.brow0 + brow) * so.nbc + so.bcol0 + bcol;
+      const int64_t si = so.ld_t ? (so.bcol0 + bcol) * so.ld_t + so.brow0 + brow
+                                 : (so.brow0 + brow) * so.nbc + so.bcol0 + bcol;
       if (so.e8m0)
         ((uint8_t *)so.scales)[si] = blk.e8m0;
       else

@@ -285,8 +285,19 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
 typedef struct {
   const float *a0, *a1;  // a_scale rows of this thread's two accumulator rows: [K/128] each
   const float *b;        // b_scale [K/128] of the tile's 128-column block of group g
+  const float *b2;       // TP_FP8_B_HALVES: the up half's [K/128]; TP_FP8_B_SEGMENTS: the second
+                         // segment's [K2/128] (its block kb is the tile's block k_split + kb)
+  int k_split;           // TP_FP8_B_SEGMENTS: K blocks of the first segment
   uint32_t sa;           // SMEM_A: shared address of this thread's first row's scale, stage 0
 } tp_fp8_scales_t;
+
+// Where the B scale of a stage comes from (the consumer's BMODE):
+//   TP_FP8_B_ONE       one 128x128 block per stage: b[kb]
+//   TP_FP8_B_HALVES    SwiGLU: B rows [0, 64) are gate rows (scale b[kb]) and [64, 128) up rows
+//                      (b2[kb]), so accumulator columns [0, 64) and [64, 128) promote with their
+//                      own scale
+//   TP_FP8_B_SEGMENTS  a second reduction segment: blocks kb >= k_split read b2[kb - k_split]
+enum { TP_FP8_B_ONE = 0, TP_FP8_B_HALVES = 1, TP_FP8_B_SEGMENTS = 2 };
 
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
 // e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into a `part` set), promoted
@@ -325,56 +336,75 @@ __device__ __forceinline__ void tp_fp8_issue(float (&part)[64], uint32_t da, uin
 // total += part · (s0 rows, s1 rows + 8): acc[4j + e] is row +8 when e >= 2 (tile/epilogue.cuh).
 // The caller has waited for part's wgmmas and fenced its registers (ptx_fence_operand) right
 // after the wait.
+// Columns [64, 128) (j >= 8) take t0, t1 instead (TP_FP8_B_HALVES; else t = s).
 __device__ __forceinline__ void tp_fp8_promote(float (&total)[64], float (&part)[64], float s0,
-                                               float s1) {
+                                               float s1, float t0, float t1) {
 #pragma unroll
   for (int j = 0; j < 16; j++) {
-    total[4 * j] += part[4 * j] * s0;
-    total[4 * j + 1] += part[4 * j + 1] * s0;
-    total[4 * j + 2] += part[4 * j + 2] * s1;
-    total[4 * j + 3] += part[4 * j + 3] * s1;
+    const float r0 = j < 8 ? s0 : t0, r1 = j < 8 ? s1 : t1;
+    total[4 * j] += part[4 * j] * r0;
+    total[4 * j + 1] += part[4 * j + 1] * r0;
+    total[4 * j + 2] += part[4 * j + 2] * r1;
+    total[4 * j + 3] += part[4 * j + 3] * r1;
   }
+}
+
+// The two B scales of block kb (the second is the up half's with TP_FP8_B_HALVES, else unused).
+template <int BMODE>
+__device__ __forceinline__ float2 tp_fp8_b_scales(const tp_fp8_scales_t &sc, int kb) {
+  if (BMODE == TP_FP8_B_HALVES) return make_float2(sc.b[kb], sc.b2[kb]);
+  if (BMODE == TP_FP8_B_SEGMENTS)
+    return make_float2(kb < sc.k_split ? sc.b[kb] : sc.b2[kb - sc.k_split], 0.0f);
+  return make_float2(sc.b[kb], 0.0f);
 }
 
 // Waits until at most N wgmma groups are pending, so that block `cur` (stage st) has completed,
 // releases the stage (the empty barriers follow the full ones: tp_plan's EMPTY_OFFSET =
-// FULL_OFFSET + 8 STAGES, so one offset names both) and promotes cur with s0, s1.
+// FULL_OFFSET + 8 STAGES, so one offset names both) and promotes cur with s0, s1 (columns
+// [64, 128): t0, t1).
 template <int N, int STAGES>
 __device__ __forceinline__ void tp_fp8_retire(uint32_t full0, uint32_t st, float s0, float s1,
-                                              float (&cur)[64], float (&total)[64]) {
+                                              float t0, float t1, float (&cur)[64],
+                                              float (&total)[64]) {
   ptx_wgmma_wait_group<N>();
 #pragma unroll
   for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
   if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
-  tp_fp8_promote(total, cur, s0, s1);
+  tp_fp8_promote(total, cur, s0, s1, t0, t1);
 }
 
-// SMEM_A: this thread's two row scales of the block in stage st, times sb.
-__device__ __forceinline__ void tp_fp8_slot_scales(uint32_t sa, uint32_t st, float sb, float &s0,
-                                                   float &s1) {
-  const uint32_t at = sa + st * MOK_TP_FP8_SLOT_BYTES;
-  s0 = ptx_ld_shared_f32(at) * sb;
-  s1 = ptx_ld_shared_f32(at + 32) * sb;  // row + 8
+// The promotion scales of one block: this thread's two row scales (sa0, sa1, or with SMEM_A read
+// from the block's slot in stage st) times the block's B scales sb (.y: the up half's).
+template <int BMODE, int SMEM_A>
+__device__ __forceinline__ void tp_fp8_row_scales(uint32_t sa, uint32_t st, float sa0, float sa1,
+                                                  float2 sb, float &s0, float &s1, float &t0,
+                                                  float &t1) {
+  if (SMEM_A) {
+    const uint32_t at = sa + st * MOK_TP_FP8_SLOT_BYTES;
+    sa0 = ptx_ld_shared_f32(at);
+    sa1 = ptx_ld_shared_f32(at + 32);  // row + 8
+  }
+  s0 = sa0 * sb.x;
+  s1 = sa1 * sb.x;
+  t0 = BMODE == TP_FP8_B_HALVES ? sa0 * sb.y : s0;
+  t1 = BMODE == TP_FP8_B_HALVES ? sa1 * sb.y : s1;
 }
 
 // Block kb is in flight in `cur` (stage *st_cur): issues block kb + 1 into `nxt` and loads its
-// scales (SMEM_A: its b scale only), then retires block kb with the scales loaded one step
+// scales (SMEM_A: its B scales only), then retires block kb with the scales loaded one step
 // earlier (SMEM_A: its row scales from its slot, read after the issue).
 // NOTE: the caller keeps every wgmma and wait out of data-dependent branches (the loop below runs
 // whole pairs of steps, then a tail); with them inside one, ptxas serializes the wgmmas (C7518).
-template <int STAGES, int STAGE_BYTES, int SMEM_A>
+template <int STAGES, int STAGE_BYTES, int SMEM_A, int BMODE>
 __device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uint32_t da0,
                                             uint32_t db0, int kb, const tp_fp8_scales_t &sc,
-                                            float &sa0, float &sa1, float &sb, uint32_t *st_cur,
+                                            float &sa0, float &sa1, float2 &sb, uint32_t *st_cur,
                                             float (&cur)[64], float (&nxt)[64],
                                             float (&total)[64]) {
-  float s0 = 0.0f, s1 = 0.0f;
-  const float sb_cur = sb;
-  if (!SMEM_A) {
-    s0 = sa0 * sb;
-    s1 = sa1 * sb;
-  }
-  sb = sc.b[kb + 1];
+  float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;
+  const float2 sb_cur = sb;
+  if (!SMEM_A) tp_fp8_row_scales<BMODE, 0>(0, 0, sa0, sa1, sb_cur, s0, s1, t0, t1);
+  sb = tp_fp8_b_scales<BMODE>(sc, kb + 1);
   if (!SMEM_A) {
     sa0 = sc.a0[kb + 1];
     sa1 = sc.a1[kb + 1];
@@ -384,22 +414,23 @@ __device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uin
   const uint32_t step = st_next * (STAGE_BYTES >> 4);
   tp_fp8_issue(nxt, da0 + step, db0 + step);
   tp_ring_advance<STAGES>(ring);
-  if (SMEM_A) tp_fp8_slot_scales(sc.sa, *st_cur, sb_cur, s0, s1);
-  tp_fp8_retire<1, STAGES>(full0, *st_cur, s0, s1, cur, total);
+  if (SMEM_A) tp_fp8_row_scales<BMODE, 1>(sc.sa, *st_cur, 0.0f, 0.0f, sb_cur, s0, s1, t0, t1);
+  tp_fp8_retire<1, STAGES>(full0, *st_cur, s0, s1, t0, t1, cur, total);
   *st_cur = st_next;
 }
 
 // The last retire of a tile (block in stage st, scales of one step earlier).
-template <int STAGES, int SMEM_A>
+template <int STAGES, int SMEM_A, int BMODE>
 __device__ __forceinline__ void tp_fp8_retire_last(uint32_t full0, uint32_t st,
                                                    const tp_fp8_scales_t &sc, float sa0, float sa1,
-                                                   float sb, float (&cur)[64], float (&total)[64]) {
-  float s0 = sa0 * sb, s1 = sa1 * sb;
-  if (SMEM_A) tp_fp8_slot_scales(sc.sa, st, sb, s0, s1);
-  tp_fp8_retire<0, STAGES>(full0, st, s0, s1, cur, total);
+                                                   float2 sb, float (&cur)[64],
+                                                   float (&total)[64]) {
+  float s0, s1, t0, t1;
+  tp_fp8_row_scales<BMODE, SMEM_A>(sc.sa, st, sa0, sa1, sb, s0, s1, t0, t1);
+  tp_fp8_retire<0, STAGES>(full0, st, s0, s1, t0, t1, cur, total);
 }
 
-template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0>
+template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0, int BMODE = TP_FP8_B_ONE>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
                                                          uint64_t *full, uint64_t *empty,
                                                          int k_blocks, int wg, bool idle,
@@ -416,7 +447,8 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   float pa[64], pb[64];
 #pragma unroll
   for (int i = 0; i < 64; i++) total[i] = 0.0f;
-  float sa0 = 0.0f, sa1 = 0.0f, sb = sc.b[0];
+  float sa0 = 0.0f, sa1 = 0.0f;
+  float2 sb = tp_fp8_b_scales<BMODE>(sc, 0);
   if (!SMEM_A) {
     sa0 = sc.a0[0];
     sa1 = sc.a1[0];
@@ -427,18 +459,18 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   tp_ring_advance<STAGES>(ring);
   int kb = 0;
   for (; kb + 2 < k_blocks; kb += 2) {  // blocks kb + 1 and kb + 2 exist: a pair of steps
-    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb,
-                                                &st_cur, pa, pb, total);
-    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A>(ring, full0, da0, db0, kb + 1, sc, sa0, sa1, sb,
-                                                &st_cur, pb, pa, total);
+    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A, BMODE>(ring, full0, da0, db0, kb, sc, sa0, sa1,
+                                                       sb, &st_cur, pa, pb, total);
+    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A, BMODE>(ring, full0, da0, db0, kb + 1, sc, sa0,
+                                                       sa1, sb, &st_cur, pb, pa, total);
   }
   // One or two blocks left (block kb in pa): issue the last if any, then wait for everything.
   if (kb + 1 < k_blocks) {
-    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A>(ring, full0, da0, db0, kb, sc, sa0, sa1, sb,
-                                                &st_cur, pa, pb, total);
-    tp_fp8_retire_last<STAGES, SMEM_A>(full0, st_cur, sc, sa0, sa1, sb, pb, total);
+    tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A, BMODE>(ring, full0, da0, db0, kb, sc, sa0, sa1,
+                                                       sb, &st_cur, pa, pb, total);
+    tp_fp8_retire_last<STAGES, SMEM_A, BMODE>(full0, st_cur, sc, sa0, sa1, sb, pb, total);
   } else {
-    tp_fp8_retire_last<STAGES, SMEM_A>(full0, st_cur, sc, sa0, sa1, sb, pa, total);
+    tp_fp8_retire_last<STAGES, SMEM_A, BMODE>(full0, st_cur, sc, sa0, sa1, sb, pa, total);
   }
 }
 
