@@ -46,13 +46,20 @@ static int by_file_then_name(const void *a, const void *b) {
   return c ? c : strcmp(x->name, y->name);
 }
 
+/* Whether test t is selected: no filters, or its name or file contains one of them. */
+static int selected(const test_entry_t *t, int nfilters, char **filters) {
+  for (int f = 0; f < nfilters; f++)
+    if (strstr(t->name, filters[f]) || strstr(t->file, filters[f])) return 1;
+  return nfilters == 0;
+}
+
+/* mok_tests [FILTER...]: the tests whose name or file contains one of the filters (all without). */
 int main(int argc, char **argv) {
-  const char *filter = argc > 1 ? argv[1] : NULL;
   int passed = 0, failed = 0, skipped = 0;
   qsort(g_tests, g_ntests, sizeof(g_tests[0]), by_file_then_name);
   setvbuf(stdout, NULL, _IOLBF, 0);
   for (int i = 0; i < g_ntests; i++) {
-    if (filter && !strstr(g_tests[i].name, filter) && !strstr(g_tests[i].file, filter)) continue;
+    if (!selected(&g_tests[i], argc - 1, argv + 1)) continue;
     g_failures = 0;
     g_skip = NULL;
     double t0 = test_now_s();

@@ -41,8 +41,8 @@ void mok_qw_layout(const mok_layer_desc_t *d, int64_t EL, mok_qw_layout_t *out) 
     o->kind = kind;
     o->transposed = (i >= MOK_QW_WG_T && i <= MOK_QW_WD_T) || i >= MOK_QW_WSG_T;
     o->scale_stride = (size_t)(mok_ceil_div(o->rows, br) * mok_ceil_div(o->cols, bc)) * scale_bytes;
-    if (d->precision == MOK_PRECISION_BF16 || o->rows == 0) { /* nothing stored */
-      o->count = o->rows == 0 ? 0 : o->count;
+    if (d->precision == MOK_PRECISION_BF16 || o->rows == 0 || o->cols == 0) { /* nothing stored */
+      o->count = o->rows == 0 || o->cols == 0 ? 0 : o->count; /* Is = 0: no shared copies */
       o->data = o->scales = off;
       continue;
     }

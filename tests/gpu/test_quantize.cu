@@ -579,17 +579,17 @@ static std::vector<uint16_t> qt_weights(size_t n, int p) {
   return w;
 }
 
-static void qt_check_layer(mok_precision_t prec, mok_fp8_scale_t scale) {
+static void qt_check_layer(mok_precision_t prec, mok_fp8_scale_t scale, int64_t Is_ = 128) {
   mok_layer_desc_t d = MOK_LAYER_DESC_INIT;
   d.hidden = 256;
   d.intermediate = 384;
   d.num_experts = 3;
   d.top_k = 2;
-  d.shared_intermediate = 128;
+  d.shared_intermediate = Is_;
   d.max_tokens = 16;
   d.precision = prec;
   d.fp8_scale = scale;
-  const size_t EL = 3, H = 256, I = 384, Is = 128;
+  const size_t EL = 3, H = 256, I = 384, Is = (size_t)Is_;
 
   mok_comm_t cg = NULL, cc = NULL;
   mok_layer_t lg = NULL, lc = NULL;
@@ -602,16 +602,17 @@ static void qt_check_layer(mok_precision_t prec, mok_fp8_scale_t scale) {
               mok_quantized_weights_size(lc, &bytes_c) == MOK_SUCCESS && bytes == bytes_c &&
               bytes > 0);
 
-  std::vector<uint16_t> h[6] = {qt_weights(EL * I * H, 0),  qt_weights(EL * I * H, -20),
-                                qt_weights(EL * H * I, 30), qt_weights(Is * H, -100),
-                                qt_weights(Is * H, 5),      qt_weights(H * Is, 100)};
-  uint16_t *dw[6];
-  for (int i = 0; i < 6; i++) {
+  std::vector<uint16_t> h[6] = {qt_weights(EL * I * H, 0), qt_weights(EL * I * H, -20),
+                                qt_weights(EL * H * I, 30)};
+  if (Is > 0) h[3] = qt_weights(Is * H, -100), h[4] = qt_weights(Is * H, 5), h[5] = qt_weights(H * Is, 100);
+  uint16_t *dw[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+  for (int i = 0; i < (Is > 0 ? 6 : 3); i++) {
     dw[i] = to_dev(h[i]);
     MOK_REQUIRE(dw[i]);
   }
-  mok_weights_t wh = {h[0].data(), h[1].data(), h[2].data(), h[3].data(),
-                      h[4].data(), h[5].data(), NULL};
+  // without a shared expert its weights are NULL, and nothing of them is quantized
+  mok_weights_t wh = {h[0].data(), h[1].data(), h[2].data(), Is ? h[3].data() : NULL,
+                      Is ? h[4].data() : NULL, Is ? h[5].data() : NULL, NULL};
   mok_weights_t wd = {dw[0], dw[1], dw[2], dw[3], dw[4], dw[5], NULL};
 
   std::vector<uint8_t> hbuf(bytes), gbuf(bytes);
@@ -645,7 +646,8 @@ static void qt_check_layer(mok_precision_t prec, mok_fp8_scale_t scale) {
   // the NaN put in each weight made NaN blocks (e4m3 0x7F arises from nothing else), so the
   // comparison covered the block rule
   MOK_EXPECT(memchr(hbuf.data() + lay.op[MOK_QW_WG].data, 0x7F, EL * I * H) != NULL);
-  MOK_EXPECT(memchr(hbuf.data() + lay.op[MOK_QW_WSD_T].data, 0x7F, H * Is) != NULL);
+  if (Is > 0) MOK_EXPECT(memchr(hbuf.data() + lay.op[MOK_QW_WSD_T].data, 0x7F, H * Is) != NULL);
+  for (int i = MOK_QW_WSG; Is == 0 && i < MOK_QW_COUNT; i++) MOK_EXPECT(lay.op[i].count == 0);
 
   cudaStreamDestroy(s);
   cudaFree(dbuf);
@@ -661,4 +663,6 @@ MOK_TEST(quant_gpu_weights_match_cpu_layer) {
   qt_check_layer(MOK_PRECISION_FP8_BLOCK, MOK_FP8_SCALE_FP32);
   qt_check_layer(MOK_PRECISION_FP8_BLOCK, MOK_FP8_SCALE_POW2);
   qt_check_layer(MOK_PRECISION_MXFP8, MOK_FP8_SCALE_FP32);
+  qt_check_layer(MOK_PRECISION_FP8_BLOCK, MOK_FP8_SCALE_FP32, 0);  // no shared expert
+  qt_check_layer(MOK_PRECISION_MXFP8, MOK_FP8_SCALE_FP32, 0);
 }
