@@ -104,12 +104,16 @@ def run_case(model, args, gen):
         fwd_f()
         f8.backward(x, idx, tw, None, ctx_f, dy, grads, quantized=q, stream=stream)
 
+    # compared: dx, and the weight gradients of the first 8 experts (all of them would not fit
+    # twice beside DeepSeek-V3's weights)
+    def part(k):
+        return grads[k] if k == "dx" else grads[k][:8]
     step_b()
     bf.check()
-    ref = {k: grads[k].clone() for k in ("dx", "dwd", "dwg")}
+    ref = {k: part(k).clone() for k in ("dx", "dwd", "dwg")}
     step_f()
     f8.check()
-    errs = {k: rel_err(grads[k], ref[k]) for k in ref}
+    errs = {k: rel_err(part(k), ref[k]) for k in ref}
     ref = None
     brow = dict(row, case=f"{model}/T{T}/fwd+bwd", rel_err_vs_bf16=max(errs.values()),
                 rel_errs=errs, wgrad="bf16")

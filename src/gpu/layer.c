@@ -57,15 +57,8 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
   const mok_shape_t shape = {l->d.max_tokens, l->d.hidden, l->d.intermediate,
                              l->d.shared_intermediate, l->EL, l->d.top_k, l->capacity_rows};
   char why[256];
-  if (l->d.precision == MOK_PRECISION_FP8_BLOCK &&
-      (l->d.hidden % 128 || l->d.intermediate % 128 || l->d.shared_intermediate % 128)) {
-    mok_gpu_layer_destroy(l);
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "mok_layer_create on a GPU: an fp8-block layer needs hidden, intermediate "
-                    "and shared_intermediate multiples of 128 (its scale blocks), got %lld, %lld, "
-                    "%lld", (long long)l->d.hidden, (long long)l->d.intermediate,
-                    (long long)l->d.shared_intermediate);
-  }
+  /* fp8-block: where the operand copies lie in the caller's quantized weights (H, I, Is are
+   * multiples of 128, the scale blocks: src/api/layer.c) */
   if (l->d.precision == MOK_PRECISION_FP8_BLOCK) mok_qw_layout(&l->d, l->EL, &g->qw);
   if (mok_shape_check(&shape, why, sizeof(why)) != MOK_SUCCESS) {
     mok_gpu_layer_destroy(l);
