@@ -516,7 +516,12 @@ MOK_TEST(quant_gpu_transposed_scales_match_row_major) {
     const mok_quant_scale_t kind = bc == 32 ? MOK_QUANT_E8M0_SCALE : MOK_QUANT_FP32_SCALE;
     const size_t sb = kind == MOK_QUANT_E8M0_SCALE ? 1 : 4, nbc = (size_t)(cols / bc);
     std::vector<uint16_t> src((size_t)(count * rows * cols));
-    for (size_t i = 0; i < src.size(); i++) src[i] = f2bf(ldexpf(qt_unit(), (int)(i / 977 % 9) - 4));
+    for (size_t i = 0; i < src.size(); i++)
+      src[i] = f2bf(ldexpf(qt_unit(), (int)(i / 977 % 9) * 13 - 60));  // 2^-60 .. 2^44
+    src[5 * cols + 7] = 0x7FC0;        // NaN: its block is all 0x7F
+    src[9 * cols + 300] = 0xFF80;      // -Inf
+    src[11 * cols + 3] = 0x0001;       // a bf16 subnormal
+    for (int64_t c = 0; c < 128; c++) src[13 * cols + c] = (c & 1) ? 0x8000 : 0x0000;  // +-0
     const size_t qn = src.size(), sn = (size_t)count * rows * nbc * sb,
                  tn = (size_t)count * ld * nbc * sb;
     uint16_t *dsrc = to_dev(src);
@@ -542,6 +547,15 @@ MOK_TEST(quant_gpu_transposed_scales_match_row_major) {
     cudaMemcpy(hs.data(), ds, sn, cudaMemcpyDeviceToHost);
     cudaMemcpy(ht.data(), dt, tn, cudaMemcpyDeviceToHost);
     MOK_EXPECT_MSG(q == q2, "block 1x%d: e4m3 values differ", bc);
+    // and both as the host quantizes (1x128 rows of a multiple of 128 take the rows kernel)
+    std::vector<uint8_t> wq(qn), ws(sn);
+    std::vector<float> m((size_t)(rows * cols));
+    for (int64_t e = 0; e < count; e++) {
+      for (size_t i = 0; i < m.size(); i++) m[i] = mok_bf16_to_float(src[e * rows * cols + i]);
+      MOK_REQUIRE(mok_quantize_host(m.data(), rows, cols, 1, bc, kind, wq.data() + e * rows * cols,
+                                    ws.data() + e * rows * nbc * sb) == MOK_SUCCESS);
+    }
+    MOK_EXPECT_MSG(q == wq && hs == ws, "block 1x%d: the launch differs from mok_quantize_host", bc);
     int bad = 0;
     for (int64_t e = 0; e < count; e++)
       for (int64_t c = 0; c < (int64_t)nbc; c++)

@@ -135,6 +135,93 @@ __global__ void __launch_bounds__(QUANT_CTA_THREADS, 4)
 }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Activation rows: 1x128 blocks along rows whose length is a multiple of 128                     */
+/* ---------------------------------------------------------------------------------------------- */
+// The layer's activations (x, a, dy, dg, du per row, every call): one warp per 1x128 block, lane l
+// holding elements 4l .. 4l + 3 (one 8-byte load, one 4-byte store), the block's amax by one
+// redux.sync, the scale stored by lane 0. A CTA's 8 warps take the same block column of 8
+// consecutive rows, so with K-block-major scales (scales_ld > 0) the CTA writes 8 contiguous
+// scales. The tile kernel above stages every 128x128 tile in shared memory for any block shape
+// and orientation; on DeepSeek-V3's activations (2.1 G elements per training step) it took 14 ms
+// of a 68 ms fp8 step (docs/performance.md, "fp8-block layers: the activation quantizer").
+// Elements of a finite block are converted by cvt.rn.satfinite.e4m3x2.f32, which rounds to
+// nearest even with subnormals and saturates to +-448 as quant_e4m3_from_float does, on the
+// finite values v / s that reach it (a block with a NaN or an infinity is all 0x7F, decided
+// before); tests/gpu/test_quantize.cu checks the bytes against the host's on every path.
+enum { QROW_WARPS = 8, QROW_THREADS = 32 * QROW_WARPS };
+
+typedef struct {
+  const uint2 *in;     // [rows, cols / 4] of 4 bf16
+  uint32_t *q;         // [rows, cols / 4] of 4 e4m3
+  float *scales;       // [rows, cols / 128], or [cols / 128, ld] with ld > 0
+  int64_t rows, kb;    // rows, and 1x128 blocks per row
+  int64_t ld;          // 0: row-major scales
+  int64_t groups;      // row groups of QROW_WARPS
+  mok_quant_scale_t kind;
+} quant_rows_t;
+
+__device__ __forceinline__ uint32_t quant_cvt_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // hi: upper byte
+  return r;
+}
+
+__global__ void __launch_bounds__(QROW_THREADS)
+    quant_rows_kernel(const __grid_constant__ quant_rows_t p) {
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+  const int64_t units = p.groups * p.kb;  // (row group, block column), block column fastest
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const int64_t g = u / p.kb, c = u - g * p.kb, row = g * QROW_WARPS + warp;
+    if (row >= p.rows) continue;
+    const int64_t at = row * p.kb * 32 + c * 32 + lane;  // this lane's 4 elements
+    const uint2 raw = p.in[at];
+    const float v[4] = {quant_bf16_to_float((uint16_t)raw.x), quant_bf16_to_float((uint16_t)(raw.x >> 16)),
+                        quant_bf16_to_float((uint16_t)raw.y), quant_bf16_to_float((uint16_t)(raw.y >> 16))};
+    uint32_t m = max(max(quant_abs_bits(v[0]), quant_abs_bits(v[1])),
+                     max(quant_abs_bits(v[2]), quant_abs_bits(v[3])));
+    m = __reduce_max_sync(0xFFFFFFFFu, m);
+    const quant_block_t b = quant_block_make(m, p.kind);
+    uint32_t word = 0x7F7F7F7Fu;
+    if (!b.nan) {
+      float w[4];
+#pragma unroll
+      for (int i = 0; i < 4; i++) w[i] = b.pow2 ? quant_mul_rn(v[i], b.inv) : quant_div_rn(v[i], b.scale);
+      word = quant_cvt_e4m3x2(w[0], w[1]) | quant_cvt_e4m3x2(w[2], w[3]) << 16;
+    }
+    p.q[at] = word;
+    if (lane == 0) p.scales[p.ld ? c * p.ld + row : row * p.kb + c] = b.scale;
+  }
+}
+
+// The rows kernel takes a job of mok_quantize_launch when it is one of these.
+static int quant_rows_fits(const mok_quantize_params_t *p) {
+  return p->block_rows == 1 && p->block_cols == 128 && !p->transpose && p->count == 1 &&
+         p->cols % 128 == 0 && (p->in_ld == 0 || p->in_ld == p->cols) &&
+         p->kind != MOK_QUANT_E8M0_SCALE && (uintptr_t)p->in % 8 == 0 && (uintptr_t)p->q % 4 == 0;
+}
+
+static mokResult_t quant_rows_run(const mok_quantize_params_t *p, void *stream) {
+  quant_rows_t r;
+  r.in = (const uint2 *)p->in;
+  r.q = (uint32_t *)p->q;
+  r.scales = (float *)p->scales;
+  r.rows = p->rows;
+  r.kb = p->cols / 128;
+  r.ld = p->scales_ld;
+  r.groups = (p->rows + QROW_WARPS - 1) / QROW_WARPS;
+  r.kind = p->kind;
+  // a few waves of CTAs (8 per SM fit), each looping over units
+  const int64_t units = r.groups * r.kb, max_grid = 8192;
+  const unsigned grid = (unsigned)(units < max_grid ? units : max_grid);
+  quant_rows_kernel<<<grid, QROW_THREADS, 0, (cudaStream_t)stream>>>(r);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return mok_fail(NULL, MOK_ERROR_CUDA, "mok_quantize_launch: kernel launch: %s",
+                    cudaGetErrorString(e));
+  return MOK_SUCCESS;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Host side                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
@@ -248,6 +335,7 @@ extern "C" mokResult_t mok_quantize_launch(const mok_quantize_params_t *p, void 
   memset(&qp, 0, sizeof(qp));
   mokResult_t r = quant_add_job(&qp, "mok_quantize_launch", p);
   if (r != MOK_SUCCESS) return r;
+  if (qp.total_tiles > 0 && quant_rows_fits(p)) return quant_rows_run(p, stream);
   return quant_run(&qp, "mok_quantize_launch", stream);
 }
 
