@@ -41,6 +41,10 @@ typedef struct {
   const char *ctx;
   const float *row_w;
   const int32_t *offsets, *shared_offsets;
+  /* W = 1: the gather's parameters (slot_row, status): an fp8-block layer quantizes x and dy
+   * once per token and copies the e4m3 rows (mok_fwd_gather_fp8_launch); NULL: it quantizes the
+   * gathered bf16 rows xg, dyg */
+  const struct mok_fwd_local_params *gather;
 } mok_bwd_rows_t;
 
 /* The local chain of a backward (src/gpu/backward.c), W = 1 or one rank's part of an

@@ -27,7 +27,7 @@ extern "C" {
  * MOK_ERROR_CUDA with cudaGetErrorString's text in mok_last_error().
  */
 
-typedef struct {
+typedef struct mok_fwd_local_params {
   int64_t T, H, E, K, Is;     /* this call's tokens; E = local experts (W = 1: all) */
   int64_t capacity_rows;      /* R: rows of the routed buffers */
   const int32_t *topk_idx;    /* [T, K] */

@@ -137,24 +137,28 @@ __global__ void __launch_bounds__(QUANT_CTA_THREADS, 4)
 /* ---------------------------------------------------------------------------------------------- */
 /* Activation rows: 1x128 blocks along rows whose length is a multiple of 128                     */
 /* ---------------------------------------------------------------------------------------------- */
-// The layer's activations (x, a, dy, dg, du per row, every call): one warp per 1x128 block, lane l
-// holding elements 4l .. 4l + 3 (one 8-byte load, one 4-byte store), the block's amax by one
-// redux.sync, the scale stored by lane 0. A CTA's 8 warps take the same block column of 8
-// consecutive rows, so with K-block-major scales (scales_ld > 0) the CTA writes 8 contiguous
-// scales. The tile kernel above stages every 128x128 tile in shared memory for any block shape
-// and orientation; on DeepSeek-V3's activations (2.1 G elements per training step) it took 14 ms
-// of a 68 ms fp8 step (docs/performance.md, "fp8-block layers: the activation quantizer").
+// The layer's activations (x, a, dy, dg, du per row, every call): one warp per pair of 1x128
+// blocks of a row, lanes 16h .. 16h + 15 holding block h, lane l elements 8l .. 8l + 7 of the
+// pair (one 16-byte load, one 8-byte store), each block's amax by four shuffles within its half,
+// its scale stored by the half's first lane (a row with an odd number of blocks leaves the second
+// half of its last pair idle). A CTA's 8 warps take the same block pair of 8 consecutive rows, so
+// with K-block-major scales (scales_ld > 0) the CTA writes runs of 8 contiguous scales. The tile
+// kernel above stages every 128x128 tile in shared memory for any block shape and orientation;
+// on DeepSeek-V3's activations (2.1 G elements per training step) it took 14 ms of a 68 ms fp8
+// step, this kernel with one block per warp and 8-byte loads 4.1 ms (docs/performance.md,
+// "fp8-block layers: the activation quantizer").
 // Elements of a finite block are converted by cvt.rn.satfinite.e4m3x2.f32, which rounds to
 // nearest even with subnormals and saturates to +-448 as quant_e4m3_from_float does, on the
 // finite values v / s that reach it (a block with a NaN or an infinity is all 0x7F, decided
-// before); tests/gpu/test_quantize.cu checks the bytes against the host's on every path.
+// before); tests/gpu/test_quantize.cu checks the bytes against the host's on this path too.
 enum { QROW_WARPS = 8, QROW_THREADS = 32 * QROW_WARPS };
 
 typedef struct {
-  const uint2 *in;     // [rows, cols / 4] of 4 bf16
-  uint32_t *q;         // [rows, cols / 4] of 4 e4m3
+  const uint4 *in;     // [rows, cols / 8] of 8 bf16
+  uint2 *q;            // [rows, cols / 8] of 8 e4m3
   float *scales;       // [rows, cols / 128], or [cols / 128, ld] with ld > 0
   int64_t rows, kb;    // rows, and 1x128 blocks per row
+  int64_t pairs;       // block pairs per row, ceil(kb / 2)
   int64_t ld;          // 0: row-major scales
   int64_t groups;      // row groups of QROW_WARPS
   mok_quant_scale_t kind;
@@ -169,27 +173,41 @@ __device__ __forceinline__ uint32_t quant_cvt_e4m3x2(float lo, float hi) {
 __global__ void __launch_bounds__(QROW_THREADS)
     quant_rows_kernel(const __grid_constant__ quant_rows_t p) {
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-  const int64_t units = p.groups * p.kb;  // (row group, block column), block column fastest
+  const int64_t units = p.groups * p.pairs;  // (row group, block pair), block pair fastest
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
-    const int64_t g = u / p.kb, c = u - g * p.kb, row = g * QROW_WARPS + warp;
-    if (row >= p.rows) continue;
-    const int64_t at = row * p.kb * 32 + c * 32 + lane;  // this lane's 4 elements
-    const uint2 raw = p.in[at];
-    const float v[4] = {quant_bf16_to_float((uint16_t)raw.x), quant_bf16_to_float((uint16_t)(raw.x >> 16)),
-                        quant_bf16_to_float((uint16_t)raw.y), quant_bf16_to_float((uint16_t)(raw.y >> 16))};
-    uint32_t m = max(max(quant_abs_bits(v[0]), quant_abs_bits(v[1])),
-                     max(quant_abs_bits(v[2]), quant_abs_bits(v[3])));
-    m = __reduce_max_sync(0xFFFFFFFFu, m);
-    const quant_block_t b = quant_block_make(m, p.kind);
-    uint32_t word = 0x7F7F7F7Fu;
-    if (!b.nan) {
-      float w[4];
+    const int64_t g = u / p.pairs, pr = u - g * p.pairs, row = g * QROW_WARPS + warp;
+    if (row >= p.rows) continue;  // the whole warp
+    const int64_t c = 2 * pr + lane / 16;  // this half's block
+    const bool live = c < p.kb;
+    const int64_t at = row * p.kb * 16 + c * 16 + lane % 16;  // this lane's 8 elements
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (live) raw = p.in[at];
+    const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+    float v[8];
 #pragma unroll
-      for (int i = 0; i < 4; i++) w[i] = b.pow2 ? quant_mul_rn(v[i], b.inv) : quant_div_rn(v[i], b.scale);
-      word = quant_cvt_e4m3x2(w[0], w[1]) | quant_cvt_e4m3x2(w[2], w[3]) << 16;
+    for (int i = 0; i < 4; i++) {
+      v[2 * i] = quant_bf16_to_float((uint16_t)w4[i]);
+      v[2 * i + 1] = quant_bf16_to_float((uint16_t)(w4[i] >> 16));
     }
-    p.q[at] = word;
-    if (lane == 0) p.scales[p.ld ? c * p.ld + row : row * p.kb + c] = b.scale;
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) m = max(m, quant_abs_bits(v[i]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    const quant_block_t b = quant_block_make(m, p.kind);
+    uint2 out = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+    if (!b.nan) {
+      float w[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+        w[i] = b.pow2 ? quant_mul_rn(v[i], b.inv) : quant_div_rn(v[i], b.scale);
+      out.x = quant_cvt_e4m3x2(w[0], w[1]) | quant_cvt_e4m3x2(w[2], w[3]) << 16;
+      out.y = quant_cvt_e4m3x2(w[4], w[5]) | quant_cvt_e4m3x2(w[6], w[7]) << 16;
+    }
+    if (live) {
+      p.q[at] = out;
+      if (lane % 16 == 0) p.scales[p.ld ? c * p.ld + row : row * p.kb + c] = b.scale;
+    }
   }
 }
 
@@ -197,21 +215,22 @@ __global__ void __launch_bounds__(QROW_THREADS)
 static int quant_rows_fits(const mok_quantize_params_t *p) {
   return p->block_rows == 1 && p->block_cols == 128 && !p->transpose && p->count == 1 &&
          p->cols % 128 == 0 && (p->in_ld == 0 || p->in_ld == p->cols) &&
-         p->kind != MOK_QUANT_E8M0_SCALE && (uintptr_t)p->in % 8 == 0 && (uintptr_t)p->q % 4 == 0;
+         p->kind != MOK_QUANT_E8M0_SCALE && (uintptr_t)p->in % 16 == 0 && (uintptr_t)p->q % 8 == 0;
 }
 
 static mokResult_t quant_rows_run(const mok_quantize_params_t *p, void *stream) {
   quant_rows_t r;
-  r.in = (const uint2 *)p->in;
-  r.q = (uint32_t *)p->q;
+  r.in = (const uint4 *)p->in;
+  r.q = (uint2 *)p->q;
   r.scales = (float *)p->scales;
   r.rows = p->rows;
   r.kb = p->cols / 128;
+  r.pairs = (r.kb + 1) / 2;
   r.ld = p->scales_ld;
   r.groups = (p->rows + QROW_WARPS - 1) / QROW_WARPS;
   r.kind = p->kind;
   // a few waves of CTAs (8 per SM fit), each looping over units
-  const int64_t units = r.groups * r.kb, max_grid = 8192;
+  const int64_t units = r.groups * r.pairs, max_grid = 8192;
   const unsigned grid = (unsigned)(units < max_grid ? units : max_grid);
   quant_rows_kernel<<<grid, QROW_THREADS, 0, (cudaStream_t)stream>>>(r);
   const cudaError_t e = cudaGetLastError();
