@@ -287,37 +287,44 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   return MOK_SUCCESS;
 }
 
+/* ---- the context check ------------------------------------------------------------------------ */
+
+mokResult_t mok_gpu_backward_check(mok_layer_t l, const mok_forward_args_t *a, const char *ctx,
+                                   mok_bwd_local_params_t *p, void *stream) {
+  const mok_ws_layout_t *lay = &l->gpu->lay;
+  memset(p, 0, sizeof(*p));
+  p->T = a->num_tokens, p->H = l->d.hidden, p->E = l->EL, p->K = l->d.top_k;
+  p->topk_idx = a->topk_idx;
+  p->ctx_header = ctx + lay->ctx[MOK_CTX_HEADER];
+  p->ctx_slot_row = (const int32_t *)(ctx + lay->ctx[MOK_CTX_SLOT_ROW]); /* [T_max, K] */
+  p->ctx_offsets = (const int32_t *)(ctx + lay->ctx[MOK_CTX_OFFSETS]);   /* [E + 1] */
+  p->layer_id = l->id;
+  p->context_mode = l->d.context_mode;
+  p->err = mok_gpu_ws(l, MOK_WS_ERROR);
+  p->status = (int32_t *)mok_gpu_ws(l, MOK_WS_STATUS);
+  p->offsets = (int32_t *)mok_gpu_ws(l, MOK_WS_OFFSETS);
+  p->shared_offsets = (int32_t *)mok_gpu_ws(l, MOK_WS_SHARED_OFFSETS);
+  const mokResult_t r = mok_bwd_context_check_launch(p, stream);
+  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+}
+
 /* ---- W = 1 -------------------------------------------------------------------------------------- */
 
 static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *gr, const char *ctx, void *stream) {
   const int64_t T = a->num_tokens, H = l->d.hidden, Is = l->d.shared_intermediate, E = l->EL,
                 K = l->d.top_k, R = l->capacity_rows;
-  const mok_ws_layout_t *lay = &l->gpu->lay;
 #define WS(region) mok_gpu_ws(l, region)
-#define CTX(region) ((const void *)(ctx + lay->ctx[region]))
 
   /* 1. Does the context belong to this call? (status, offsets, shared_offsets) */
   mok_bwd_local_params_t p;
-  memset(&p, 0, sizeof(p));
-  p.T = T, p.H = H, p.E = E, p.K = K;
-  p.topk_idx = a->topk_idx;
-  p.ctx_header = CTX(MOK_CTX_HEADER);
-  p.ctx_slot_row = (const int32_t *)CTX(MOK_CTX_SLOT_ROW); /* [T_max, K] */
-  p.ctx_offsets = (const int32_t *)CTX(MOK_CTX_OFFSETS);   /* [E + 1] */
-  p.layer_id = l->id;
-  p.context_mode = l->d.context_mode;
-  p.err = WS(MOK_WS_ERROR);
-  p.status = (int32_t *)WS(MOK_WS_STATUS);
-  p.offsets = (int32_t *)WS(MOK_WS_OFFSETS);
-  p.shared_offsets = (int32_t *)WS(MOK_WS_SHARED_OFFSETS);
+  mokResult_t r = mok_gpu_backward_check(l, a, ctx, &p, stream);
+  if (r != MOK_SUCCESS) return r;
   p.dxk = WS(MOK_WS_DXK);                                  /* [R, H] bf16 */
   p.dxs = Is > 0 ? (const float *)WS(MOK_WS_DXS) : NULL;   /* [T, H] */
   p.dw_row = (const float *)WS(MOK_WS_DW_ROW);             /* [R] */
   p.dx = gr->dx;
   p.dtopk_w = gr->dtopk_w;
-  mokResult_t r = mok_bwd_context_check_launch(&p, stream);
-  if (r != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
   if (T == 0) return bwd_zero_wgrads(l, gr, stream);
 
   /* 2. Token rows into expert order: x -> xg (and topk_w -> row_w), dy -> dyg. */
@@ -341,7 +348,6 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   if ((r = mok_gpu_backward_local(l, a, gr, &c, stream)) != MOK_SUCCESS) return r;
   if ((r = mok_bwd_reduce_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 #undef WS
-#undef CTX
   return MOK_SUCCESS;
 }
 

@@ -40,29 +40,13 @@
 mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
                                 const mok_backward_args_t *gr, const char *ctx, void *stream) {
   struct mok_gpu_layer *gl = l->gpu;
-  const mok_ws_layout_t *lay = &gl->lay;
-  const int64_t T = a->num_tokens, H = l->d.hidden, Is = l->d.shared_intermediate, EL = l->EL,
-                K = l->d.top_k, R = l->capacity_rows;
+  const int64_t T = a->num_tokens, Is = l->d.shared_intermediate, R = l->capacity_rows;
   mokResult_t r;
 #define WS(region) mok_gpu_ws(l, region)
-#define CTX(region) ((const void *)(ctx + lay->ctx[region]))
 
   /* 1. Does the context belong to this call, here? (status: the layout's local_ok) */
   mok_bwd_local_params_t c;
-  memset(&c, 0, sizeof(c));
-  c.T = T, c.H = H, c.E = EL, c.K = K;
-  c.topk_idx = a->topk_idx;
-  c.ctx_header = CTX(MOK_CTX_HEADER);
-  c.ctx_slot_row = (const int32_t *)CTX(MOK_CTX_SLOT_ROW);
-  c.ctx_offsets = (const int32_t *)CTX(MOK_CTX_OFFSETS);
-  c.layer_id = l->id;
-  c.context_mode = l->d.context_mode;
-  c.err = WS(MOK_WS_ERROR);
-  c.status = (int32_t *)WS(MOK_WS_STATUS);
-  c.offsets = (int32_t *)WS(MOK_WS_OFFSETS);
-  c.shared_offsets = (int32_t *)WS(MOK_WS_SHARED_OFFSETS);
-  if ((r = mok_bwd_context_check_launch(&c, stream)) != MOK_SUCCESS)
-    return mok_gpu_launcher_failed(l, r);
+  if ((r = mok_gpu_backward_check(l, a, ctx, &c, stream)) != MOK_SUCCESS) return r;
 
   /* 2-4. Layout (gated by every rank's check), prep, dispatch of x and dy, gather. */
   if ((r = mok_transport_set_timeout(gl->tp, l->tuning.timeout_s)) != MOK_SUCCESS ||
@@ -117,7 +101,6 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   if ((r = mok_ep_reduce_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_backward: the expert-parallel reduce failed to launch");
 #undef WS
-#undef CTX
   return MOK_SUCCESS;
 }
 

@@ -13,6 +13,7 @@
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/backward/backward.h"
 #include "cuda/comm/comm.h"
 #include "cuda/gemm/gemm.h"
 
@@ -33,6 +34,13 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
                                void *stream);
 mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
                                 const mok_backward_args_t *g, const char *ctx, void *stream);
+
+/* The first step of every backward (src/gpu/backward.c): fills *p with the call's context-check
+ * fields (routing, context regions, the layer's status and offsets) and launches the check
+ * kernel, which decides on the device whether ctx belongs to this call. The reduce's fields are
+ * left zero for the caller. */
+mokResult_t mok_gpu_backward_check(mok_layer_t l, const mok_forward_args_t *a, const char *ctx,
+                                   mok_bwd_local_params_t *p, void *stream);
 
 /* The rows a backward's local chain works on: xg, dyg (workspace regions, expert order) with
  * their router weights row_w and the local experts' offsets [EL + 1]; the shared expert on the
