@@ -1,5 +1,5 @@
 /*
- * gpu/backward_ep.c: mok_backward of an expert-parallel GPU layer (W > 1, BF16), host side: the
+ * gpu/backward_ep.c: mok_backward of an expert-parallel GPU layer (W > 1), host side: the
  * W = 1 backward chain (src/gpu/backward.c) around the transport, on each rank's stream with no
  * host synchronization:
  *
@@ -16,6 +16,7 @@
  *                  expert on this rank's tokens -> dxs; the weight gradients of this rank's
  *                  experts over their rows in layout order, and of the shared expert over this
  *                  rank's tokens
+ *                  (fp8-block: the chain's fp8 steps on the arrived rows, quantized per row)
  *   combine        dxk rows and the router-weight gradients home
  *   reduce         dx = bf16(dxs + Σ_k dxk) in slot order, dtopk_w
  *

@@ -1,5 +1,5 @@
 /*
- * gpu/forward_ep.c: mok_forward of an expert-parallel GPU layer (W > 1, BF16), host side. Each
+ * gpu/forward_ep.c: mok_forward of an expert-parallel GPU layer (W > 1), host side. Each
  * rank enqueues on its stream, with no host synchronization (src/cuda/comm/ep.cu has the
  * kernels and the EP-invariance argument):
  *
@@ -11,7 +11,9 @@
  *              experts, with its rows' router weights and positions; waits for every source
  *   gather     xg = the rows of this rank's experts, from the received tokens or x
  *   GEMMs      the W = 1 chain's grouped GEMMs on this rank's experts (gate/up with SwiGLU and
- *              the router weight, down -> yk), and the shared expert on this rank's tokens -> ys
+ *              the router weight, down -> yk), and the shared expert on this rank's tokens -> ys;
+ *              fp8-block: the rows and x quantized per row, then the W = 1 fp8 GEMMs
+ *              (mok_gpu_forward_fp8_experts; rows cross NVLink in bf16)
  *   combine    yk rows of other ranks' tokens to their home ranks; waits for every expert rank
  *   reduce     y = bf16(ys + Σ_k yk) in slot order
  *
@@ -75,41 +77,56 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
 
   /* This rank's experts over the rows that arrived (the W = 1 chain's GEMMs). */
   const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
-  mok_grouped_gemm_params_t gu =
-      mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);
-  gu.a = p.xg;
-  gu.b = a->w.wg, gu.b2 = a->w.wu;
-  gu.offsets = p.offsets;
-  gu.c = mok_gpu_ws(l, MOK_WS_A);
-  gu.row_scale = row_w;
-  gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
-  gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
-  if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "routed gate/up", stream)) != MOK_SUCCESS) return r;
-  mok_grouped_gemm_params_t dn =
-      mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_KMAJOR, EL, R, H, I);
-  dn.a = gu.c;
-  dn.b = a->w.wd;
-  dn.offsets = p.offsets;
-  dn.c = (void *)p.yk; /* over xg, which the gate/up GEMM has read */
-  if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "routed down", stream)) != MOK_SUCCESS) return r;
-  if (Is > 0 && T > 0) {
-    mok_grouped_gemm_params_t sgu =
-        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
-    sgu.a = a->x;
-    sgu.b = a->w.wsg, sgu.b2 = a->w.wsu;
-    sgu.offsets = p.shared_offsets;
-    sgu.c = mok_gpu_ws(l, MOK_WS_AS);
-    sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
-    sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
-    if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "shared gate/up", stream)) != MOK_SUCCESS)
+  if (l->d.precision == MOK_PRECISION_FP8_BLOCK) {
+    /* the arrived bf16 rows quantized per row: the bytes W = 1 copies from each token's once */
+    const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
+    if ((r = mok_gpu_quantize_rows(l, p.xg, R, H, mok_gpu_ws(l, MOK_WS_XQ),
+                                   mok_gpu_ws(l, MOK_WS_XQ_S), R4, stream)) != MOK_SUCCESS ||
+        (Is > 0 && T > 0 &&
+         (r = mok_gpu_quantize_rows(l, a->x, T, H, mok_gpu_ws(l, MOK_WS_XQT),
+                                    mok_gpu_ws(l, MOK_WS_XQT_S), T4, stream)) != MOK_SUCCESS))
       return r;
-    mok_grouped_gemm_params_t sdn =
-        mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_KMAJOR, 1, T, H, Is);
-    sdn.a = sgu.c;
-    sdn.b = a->w.wsd;
-    sdn.offsets = p.shared_offsets;
-    sdn.c = (void *)p.ys;
-    if ((r = mok_gpu_gemm(l, &sdn, "mok_forward", "shared down", stream)) != MOK_SUCCESS) return r;
+    const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w};
+    if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
+  } else {
+    mok_grouped_gemm_params_t gu =
+        mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);
+    gu.a = p.xg;
+    gu.b = a->w.wg, gu.b2 = a->w.wu;
+    gu.offsets = p.offsets;
+    gu.c = mok_gpu_ws(l, MOK_WS_A);
+    gu.row_scale = row_w;
+    gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
+    gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
+    if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "routed gate/up", stream)) != MOK_SUCCESS)
+      return r;
+    mok_grouped_gemm_params_t dn =
+        mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_KMAJOR, EL, R, H, I);
+    dn.a = gu.c;
+    dn.b = a->w.wd;
+    dn.offsets = p.offsets;
+    dn.c = (void *)p.yk; /* over xg, which the gate/up GEMM has read */
+    if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "routed down", stream)) != MOK_SUCCESS) return r;
+    if (Is > 0 && T > 0) {
+      mok_grouped_gemm_params_t sgu =
+          mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, 1, T, Is, H);
+      sgu.a = a->x;
+      sgu.b = a->w.wsg, sgu.b2 = a->w.wsu;
+      sgu.offsets = p.shared_offsets;
+      sgu.c = mok_gpu_ws(l, MOK_WS_AS);
+      sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
+      sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
+      if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "shared gate/up", stream)) != MOK_SUCCESS)
+        return r;
+      mok_grouped_gemm_params_t sdn =
+          mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_KMAJOR, 1, T, H, Is);
+      sdn.a = sgu.c;
+      sdn.b = a->w.wsd;
+      sdn.offsets = p.shared_offsets;
+      sdn.c = (void *)p.ys;
+      if ((r = mok_gpu_gemm(l, &sdn, "mok_forward", "shared down", stream)) != MOK_SUCCESS)
+        return r;
+    }
   }
 
   if ((r = mok_transport_params(g->tp, MOK_TP_COMBINE, stream, &p)) != MOK_SUCCESS)

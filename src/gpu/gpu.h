@@ -42,6 +42,17 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
 mokResult_t mok_gpu_backward_check(mok_layer_t l, const mok_forward_args_t *a, const char *ctx,
                                    mok_bwd_local_params_t *p, void *stream);
 
+/* fp8-block: the experts' fp8 GEMMs of a forward (src/gpu/forward.c), W = 1 or one rank of an
+ * expert-parallel layer, once the workspace's xq holds the routed rows' e4m3 values and xqt the
+ * call's tokens' (the shared expert's): a [R, I], yk [R, H], as, ys; SAVE mode: g, u, gs, us into
+ * ctx. offsets [EL + 1] of the rows, shared_offsets {0, T}, row_w [R] their router weights. */
+typedef struct {
+  const int32_t *offsets, *shared_offsets;
+  const float *row_w;
+} mok_fp8_rows_t;
+mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t *a,
+                                        const mok_fp8_rows_t *c, char *ctx, void *stream);
+
 /* The rows a backward's local chain works on: xg, dyg (workspace regions, expert order) with
  * their router weights row_w and the local experts' offsets [EL + 1]; the shared expert on the
  * call's own tokens (x, dy) with shared_offsets; ctx: the call's context (saved g, u). */

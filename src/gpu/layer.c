@@ -2,8 +2,8 @@
  * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h, and with W > 1 its
  * transport), its sizes, the start of every call on it, and the asynchronous errors its kernels
  * report through the workspace's error word and the transport's (mok_layer_check). BF16 layers
- * run on the GPU, and fp8-block layers with W = 1; the others (MXFP8, fp8-block expert-parallel)
- * allocate nothing and report MOK_ERROR_NOT_IMPLEMENTED from their calls.
+ * and fp8-block layers run on the GPU; MXFP8 layers allocate nothing and report
+ * MOK_ERROR_NOT_IMPLEMENTED from their calls.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,8 +21,7 @@
 #ifdef MOK_WITH_CUDA
 
 static int gpu_runs(mok_layer_t l) {
-  return l->d.precision == MOK_PRECISION_BF16 ||
-         (l->d.precision == MOK_PRECISION_FP8_BLOCK && l->comm->nranks == 1);
+  return l->d.precision == MOK_PRECISION_BF16 || l->d.precision == MOK_PRECISION_FP8_BLOCK;
 }
 
 mokResult_t mok_gpu_cuda_fail(mok_layer_t l, const char *call, cudaError_t e) {
@@ -114,7 +113,8 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
     /* Every kernel of the forward loaded now: a first launch that loads it may wait for the
      * kernels running, which wait for the other ranks' calls. */
     if (res == MOK_SUCCESS && (mok_ep_preload() != MOK_SUCCESS || mok_gg_preload() != MOK_SUCCESS ||
-                               mok_gw_preload() != MOK_SUCCESS || mok_bwd_preload() != MOK_SUCCESS))
+                               mok_gw_preload() != MOK_SUCCESS || mok_bwd_preload() != MOK_SUCCESS ||
+                               mok_quant_preload() != MOK_SUCCESS))
       res = mok_fail(NULL, MOK_ERROR_CUDA, "mok_layer_create: loading the kernels failed");
   }
   cudaSetDevice(prev);
@@ -152,12 +152,9 @@ size_t mok_gpu_context_bytes(mok_layer_t l) {
 static mokResult_t gpu_check_supported(mok_layer_t l, const char *fn) {
   if (!gpu_runs(l))
     return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "%s on GPU %d: %s layers are not implemented on the GPU yet (BF16 is, and "
-                    "fp8-block with one rank); use a BF16 layer, or MOK_DEVICE_CPU for the "
-                    "reference",
-                    fn, l->comm->device,
-                    l->d.precision == MOK_PRECISION_FP8_BLOCK ? "expert-parallel fp8-block"
-                                                              : "MXFP8");
+                    "%s on GPU %d: MXFP8 layers are not implemented on the GPU yet (BF16 and "
+                    "fp8-block are); use one of those, or MOK_DEVICE_CPU for the reference",
+                    fn, l->comm->device);
   if (!l->gpu || !l->gpu->ws)
     return mok_fail(l, MOK_ERROR_INTERNAL, "%s: GPU layer without a workspace", fn);
   return MOK_SUCCESS;

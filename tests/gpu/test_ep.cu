@@ -52,14 +52,17 @@ typedef struct {
   uint16_t *dy[EP_MAX_W], *dx[EP_MAX_W];
   float *dtw[EP_MAX_W];
   void *dwr[3], *dws[EP_MAX_W][3];
+  // fp8 layers: each rank's experts quantized by its layer (mok_quantize_weights)
+  void *qw[EP_MAX_W];
+  size_t qw_bytes;
 } ep_team_t;
 
 static void ep_close(ep_team_t *t) {
   cudaDeviceSynchronize();
   for (int r = 0; r < t->W; r++) {
     if (t->l[r]) mok_layer_destroy(t->l[r]);
-    void *b[] = {t->x[r], t->y[r], t->idx[r], t->tw[r], t->ctx[r], t->dy[r], t->dx[r], t->dtw[r],
-                 t->dws[r][0], t->dws[r][1], t->dws[r][2]};
+    void *b[] = {t->x[r],  t->y[r],       t->idx[r],     t->tw[r],      t->ctx[r], t->dy[r],
+                 t->dx[r], t->dtw[r],     t->dws[r][0], t->dws[r][1], t->dws[r][2], t->qw[r]};
     for (void *q : b)
       if (q) cudaFree(q);
     if (t->s[r]) cudaStreamDestroy(t->s[r]);
@@ -71,6 +74,8 @@ static void ep_close(ep_team_t *t) {
     if (q) cudaFree(q);
   memset(t, 0, sizeof(*t));
 }
+
+static mok_forward_args_t ep_rank_args(const ep_team_t *t, int r, int64_t T);
 
 // A team of W ranks for p's shape (T_max per rank), with tuning timeout `timeout_s` (0: default)
 // and the layer descriptor's weight-gradient fields from `wdt`, `accumulate`.
@@ -108,6 +113,16 @@ static int ep_open_wgrad(ep_team_t *t, const fwd_problem_t *p, int W, int64_t T_
   }
   t->wg = to_dev(p->wg), t->wu = to_dev(p->wu), t->wd = to_dev(p->wd);
   if (p->Is > 0) t->wsg = to_dev(p->wsg), t->wsu = to_dev(p->wsu), t->wsd = to_dev(p->wsd);
+  if (mok_quantized_weights_size(t->l[0], &t->qw_bytes) != MOK_SUCCESS) t->qw_bytes = 0;
+  for (int r = 0; r < W && t->qw_bytes > 0; r++) {  // fp8: rank r's slice, quantized by its layer
+    const mok_forward_args_t a = ep_rank_args(t, r, 0);
+    if (cudaMalloc(&t->qw[r], t->qw_bytes) != cudaSuccess ||
+        mok_quantize_weights(t->l[r], &a.w, t->qw[r], t->qw_bytes, NULL) != MOK_SUCCESS) {
+      printf("    rank %d: quantizing the weights: %s\n", r, mok_last_error());
+      ep_close(t);
+      return 0;
+    }
+  }
   return cudaDeviceSynchronize() == cudaSuccess;
 }
 
@@ -138,6 +153,7 @@ static mok_forward_args_t ep_rank_args(const ep_team_t *t, int r, int64_t T) {
   const size_t ew = (size_t)(t->EL * t->H * t->I);
   w.wg = t->wg + r * ew, w.wu = t->wu + r * ew, w.wd = t->wd + r * ew;
   w.wsg = t->wsg, w.wsu = t->wsu, w.wsd = t->wsd;
+  w.quantized = t->qw[r], w.quantized_bytes = t->qw[r] ? t->qw_bytes : 0;
   return test_forward_args(T, t->x[r], t->idx[r], t->tw[r], w);
 }
 
@@ -584,6 +600,32 @@ MOK_TEST(ep_backward_equals_one_rank) {
   const test_route_t hot = {0.3, 0, 13};
   ep_bwd_problem(&p, 0, 300, hot);
   ep_bwd_case(&p, 2, two, "W = 2, no shared expert, a hot expert, 30% empty slots");
+}
+
+// fp8-block layers with W = 2 and 4 ranks: y, dx, dtopk_w and the routed weight gradients
+// bitwise the W = 1 fp8-block layer's (the arrived bf16 rows quantized per row are the bytes
+// W = 1 copies from each token's quantization, and every fp8 GEMM row depends on its own A row).
+MOK_TEST(ep_fp8_block_equals_one_rank) {
+  NEED_GPU();
+  fwd_problem_t f;
+  ep_problem(&f, 128, 300, test_route_uniform(0.1));
+  f.prec = MOK_PRECISION_FP8_BLOCK;
+  const int64_t two[2] = {211, 89}, zero[2] = {0, 300}, four[4] = {100, 0, 141, 59};
+  ep_case(&f, 2, two, "fp8-block W = 2, 211 + 89 tokens");
+  ep_case(&f, 4, four, "fp8-block W = 4, 100 + 0 + 141 + 59 tokens");
+  bwd_problem_t p;
+  ep_bwd_problem(&p, 128, 300, test_route_uniform(0.1));
+  p.f.prec = MOK_PRECISION_FP8_BLOCK;
+  ep_bwd_case(&p, 2, two, "fp8-block W = 2, 211 + 89 tokens");
+  ep_bwd_case(&p, 2, zero, "fp8-block W = 2, rank 0 without tokens");
+  ep_bwd_case(&p, 4, four, "fp8-block W = 4, 100 + 0 + 141 + 59 tokens");
+  p.f.mode = MOK_CONTEXT_RECOMPUTE;
+  p.f.fp8_scale = MOK_FP8_SCALE_POW2;
+  ep_bwd_case(&p, 2, two, "fp8-block W = 2, RECOMPUTE, power-of-two scales");
+  const test_route_t hot = {0.3, 0, 13};
+  ep_bwd_problem(&p, 0, 300, hot);
+  p.f.prec = MOK_PRECISION_FP8_BLOCK;
+  ep_bwd_case(&p, 2, two, "fp8-block W = 2, no shared expert, a hot expert, 30% empty slots");
 }
 
 // A context that does not match on one rank: that rank says why, the other names it, and no

@@ -108,9 +108,9 @@ int mok_tile_group_m(int requested, int64_t b_bytes);
 int mok_gg_fault_take(mok_kernel_fault_t *out);
 int mok_gw_fault_take(mok_kernel_fault_t *out);
 
-/* Loads the bf16 grouped-GEMM kernels now (CUDA loads a kernel at its first launch by default,
- * and a load may wait for kernels already running: with virtual ranks those spin on ranks whose
- * calls come later from the same thread). */
+/* Loads the grouped-GEMM kernels the layers launch (bf16, and fp8-block's) now (CUDA loads a
+ * kernel at its first launch by default, and a load may wait for kernels already running: with
+ * virtual ranks those spin on ranks whose calls come later from the same thread). */
 mokResult_t mok_gg_preload(void);
 mokResult_t mok_gw_preload(void); /* the weight-gradient GEMM's kernels */
 

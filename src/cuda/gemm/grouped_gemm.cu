@@ -510,7 +510,13 @@ extern "C" mokResult_t mok_gg_preload(void) {
       cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_F32, 0>),
       cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_STORE_F32, 1>),
       cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 0>),
-      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 1>)};
+      cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 1>),
+      // the fp8-block layers' (K-block-major activation scales)
+      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_SWIGLU, 5, 1, TP_FP8_B_HALVES>),
+      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_BF16, 5, 1, TP_FP8_B_ONE>),
+      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_ONE>),
+      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_BF16, 5, 1, TP_FP8_B_SEGMENTS>),
+      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_SEGMENTS>)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();

@@ -59,6 +59,10 @@ mokResult_t mok_quantize_weights_gpu(const mok_layer_desc_t *d, int64_t EL, cons
                                      void *out, void *stream);
 
 
+/* Loads the quantizer's kernels now (as mok_gg_preload: virtual ranks' first launches must not
+ * wait for kernels that wait for later calls of the same thread). */
+mokResult_t mok_quant_preload(void);
+
 #ifdef __cplusplus
 }
 #endif

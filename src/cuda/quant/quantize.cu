@@ -423,3 +423,13 @@ extern "C" mokResult_t mok_quantize_weights_gpu(const mok_layer_desc_t *d, int64
   }
   return r;
 }
+
+extern "C" mokResult_t mok_quant_preload(void) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, quant_kernel) != cudaSuccess ||
+      cudaFuncGetAttributes(&a, quant_rows_kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return MOK_ERROR_CUDA;
+  }
+  return MOK_SUCCESS;
+}
