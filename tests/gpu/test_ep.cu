@@ -241,7 +241,10 @@ static int ep_case(const fwd_problem_t *p, int W, const int64_t *T, const char *
     return 0;
   }
   ep_team_t t;
-  if (!ep_open(&t, p, W, T_max, 0)) return 0;
+  if (!ep_open(&t, p, W, T_max, 0)) {
+    MOK_EXPECT_MSG(0, "%s: the ranks' layers could not be created", what);
+    return 0;
+  }
   ep_inputs(&t, p, T);
   mokResult_t res[EP_MAX_W], chk[EP_MAX_W];
   char msg[EP_MAX_W][MOK_ERR_LEN];
@@ -536,7 +539,10 @@ static int ep_bwd_case(const bwd_problem_t *p, int W, const int64_t *T, const ch
     return 0;
   }
   ep_team_t t;
-  if (!ep_open_backward(&t, p, W, T_max)) return 0;
+  if (!ep_open_backward(&t, p, W, T_max)) {
+    MOK_EXPECT_MSG(0, "%s: the ranks' layers could not be created", what);
+    return 0;
+  }
   ep_inputs(&t, &p->f, T);
   ep_backward_inputs(&t, p, T);
   mokResult_t res[EP_MAX_W], bres[EP_MAX_W], chk[EP_MAX_W];
