@@ -1,7 +1,7 @@
 """
 bench/ep.py: the MoE layer with expert parallelism (EP): W = 1, 2, 4 ranks over the same tokens,
-checked for EP-invariance and timed, forward and forward + backward (BF16, fp32 weight gradients
-unless --wgrad bf16).
+checked for EP-invariance and timed, forward and forward + backward (BF16 unless --precision
+fp8-block, fp32 weight gradients unless --wgrad bf16).
 
 One GPU (python3 bench/ep.py): W virtual ranks (mok.Comm.virtual) share the GPU, each rank's calls
 on its own stream, all enqueued from this thread. The W ranks share the SMs, so W > 1 cannot be
@@ -32,7 +32,8 @@ Appends one JSON object per (model, W, forward or forward + backward) to --jsonl
 bench/results/ep.jsonl), with the commit; a W that was skipped gets one row with the reason.
 
     python3 bench/ep.py [--tokens 16384] [--cases substring] [--ranks 1,2,4] [--wgrad fp32|bf16]
-                        [--capacity-factor 0] [--timing blocked|interleaved] [--commit SHA]
+                        [--precision bf16|fp8-block] [--capacity-factor 0]
+                        [--timing blocked|interleaved] [--commit SHA]
 
 Memory: every rank's layer has its own workspace and context, sized for T/W tokens and, with
 --capacity-factor 0 (the library's default, never overflows), W T/W K = T K received rows, so
@@ -127,7 +128,7 @@ class Team:
         Tr, EL = p.T // W, p.E // W
         kw = dict(hidden=p.H, intermediate=p.I, num_experts=p.E, top_k=p.K, max_tokens=Tr,
                   shared_intermediate=p.Is, wgrad_fp32=out.shared_dtype == torch.float32,
-                  capacity_factor=args.capacity_factor)
+                  capacity_factor=args.capacity_factor, precision=args.precision)
         self.streams = [torch.cuda.Stream(p.dev) for _ in ranks] if len(ranks) > 1 else None
         try:
             for i, r in enumerate(ranks):
@@ -144,8 +145,13 @@ class Team:
                 for k in ("wsg", "wsu", "wsd") if p.Is else ():
                     g["d" + k] = torch.empty(p.w[k].shape, device=p.dev, dtype=out.shared_dtype)
                 ctx = torch.empty(layer.context_bytes(), device=p.dev, dtype=torch.uint8)
+                q = None  # fp8 layers: this rank's experts quantized by its layer
+                if args.precision != "bf16":
+                    q = torch.empty(layer.quantized_weights_bytes(), device=p.dev,
+                                    dtype=torch.uint8)
+                    layer.quantize_weights(w, q)
                 fwd = (p.x[tok], p.idx[tok], p.tw[tok], w)
-                self.calls.append((layer, fwd, out.y[tok], ctx, p.dy[tok], g))
+                self.calls.append((layer, fwd, out.y[tok], ctx, p.dy[tok], g, q))
         except BaseException:
             self.close()
             raise
@@ -167,12 +173,12 @@ class Team:
             cur.wait_stream(s)
 
     def forward(self):
-        self._each(lambda c, s: c[0].forward(*c[1], c[2], c[3], stream=s))
+        self._each(lambda c, s: c[0].forward(*c[1], c[2], c[3], quantized=c[6], stream=s))
 
     def step(self):
         """forward, then backward, of every rank."""
         self.forward()
-        self._each(lambda c, s: c[0].backward(*c[1], c[3], c[4], c[5], stream=s))
+        self._each(lambda c, s: c[0].backward(*c[1], c[3], c[4], c[5], quantized=c[6], stream=s))
 
     def check(self):
         for layer in self.layers:
@@ -222,6 +228,7 @@ def common_row(p, W, team, args, d, virtual):
             "tokens": p.T,
             "tokens_per_rank": p.T // W, "device": torch.cuda.get_device_name(p.dev),
             "commit": git_commit(args.commit), "torch": torch.__version__,
+            "precision": args.precision,
             "wgrad": "fp32" if team.calls[0][5]["dwg"].dtype == torch.float32 else "bf16",
             "capacity_factor": args.capacity_factor, "timing": TIMING["mode"],
             "workspace_bytes_per_rank": team.workspace_bytes,
@@ -262,7 +269,8 @@ def run_w(p, out, W, ref, args, d, comms=None):
                 r["wrong"] = True
                 d.say(f"{r['case']}: WRONG, not the W = 1 layer's bits: {s}")
         chain = None
-        if W == 1 and not fwd.get("wrong"):  # W = 1's own kernel chain, the EP forward's kind
+        if W == 1 and not fwd.get("wrong") and args.precision == "bf16":
+            # W = 1's own kernel chain, the EP forward's kind (fp8 layers run a chain anyway)
             chain = Team(p, out, 1, [0], None, args, tuning=FORWARD_CHAIN)
         if not fwd.get("wrong"):
             fns = [team.forward] + ([chain.forward] if chain else [])
@@ -273,8 +281,11 @@ def run_w(p, out, W, ref, args, d, comms=None):
             if chain:
                 chain.check()
                 ref.update(fwd_ms=ms, chain_ms=d.all(times[1], "max"))
-            fwd.update(w1_ms=ref["fwd_ms"], vs_w1=ref["fwd_ms"] / ms,
-                       w1_chain_ms=ref["chain_ms"], vs_w1_chain=ref["chain_ms"] / ms)
+            if W == 1 and not chain:
+                ref["fwd_ms"] = ms
+            fwd.update(w1_ms=ref["fwd_ms"], vs_w1=ref["fwd_ms"] / ms)
+            if "chain_ms" in ref:
+                fwd.update(w1_chain_ms=ref["chain_ms"], vs_w1_chain=ref["chain_ms"] / ms)
         if chain:
             chain.close()
         if not step.get("wrong"):
@@ -336,6 +347,9 @@ def main():
                          "ignored under torchrun, where W is the world size")
     ap.add_argument("--wgrad", choices=("fp32", "bf16"), default="fp32",
                     help="the weight gradients' dtype")
+    ap.add_argument("--precision", choices=("bf16", "fp8-block"), default="bf16",
+                    help="the layers' precision (fp8-block: each rank's experts quantized by "
+                         "mok_quantize_weights once, before the timed calls)")
     ap.add_argument("--capacity-factor", type=float, default=0.0,
                     help="mok_layer_desc_t.capacity_factor of every layer (0: W, never overflows)")
     ap.add_argument("--seed", type=int, default=2026)
