@@ -82,14 +82,15 @@ static mokResult_t fp8_rows(mok_layer_t l, const mok_bwd_rows_t *c, const void *
   mokResult_t r = MOK_SUCCESS;
 #define WS(region) mok_gpu_ws(l, region)
   if (T > 0 && (c->gather || l->d.shared_intermediate > 0))
-    r = mok_gpu_quantize_rows(l, src, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, stream);
+    r = mok_gpu_quantize_rows(l, src, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, NULL, stream);
   if (r != MOK_SUCCESS) return r;
   if (c->gather) {
     r = mok_fwd_gather_fp8_launch(c->gather, WS(MOK_WS_XQT), (const float *)WS(MOK_WS_XQT_S), T4,
                                   WS(MOK_WS_XQ), (float *)WS(MOK_WS_XQ_S), R4, stream);
     return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
   }
-  return mok_gpu_quantize_rows(l, rows, R, H, WS(MOK_WS_XQ), WS(MOK_WS_XQ_S), R4, stream);
+  return mok_gpu_quantize_rows(l, rows, R, H, WS(MOK_WS_XQ), WS(MOK_WS_XQ_S), R4,
+                               c->offsets + l->EL, stream);
 #undef WS
 }
 
@@ -128,17 +129,19 @@ static mokResult_t fp8_recompute(mok_layer_t l, const mok_forward_args_t *a,
 }
 
 /* fp8-block: the data-gradient GEMM p (dxk, or the shared dxs: its epilogue, groups and offsets
- * already set) as fp8, dg and du [rows, n] quantized along n into q, q2 with one K-block-major
+ * already set) as fp8, dg and du [rows, n] (with limit, the rows below *limit) quantized along n
+ * into q, q2 with one K-block-major
  * scale array (du's blocks after dg's), times the transposed copies of the gate and up weights
  * (`gate_t`, and the up copy right after it in mok_qw_which_t): one reduction of 2n, gate first,
  * as the reference's data_grad. */
 static mokResult_t fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, const void *dg,
-                                 const void *du, int64_t rows, int64_t n, int64_t ld, void *q,
-                                 void *q2, float *scales, mok_qw_which_t gate_t,
-                                 mok_grouped_gemm_params_t *p, void *stream) {
-  mokResult_t r = mok_gpu_quantize_rows(l, dg, rows, n, q, scales, ld, stream);
+                                 const void *du, int64_t rows, const int32_t *limit, int64_t n,
+                                 int64_t ld, void *q, void *q2, float *scales,
+                                 mok_qw_which_t gate_t, mok_grouped_gemm_params_t *p,
+                                 void *stream) {
+  mokResult_t r = mok_gpu_quantize_rows(l, dg, rows, n, q, scales, ld, limit, stream);
   if (r == MOK_SUCCESS)
-    r = mok_gpu_quantize_rows(l, du, rows, n, q2, scales + (n / 128) * ld, ld, stream);
+    r = mok_gpu_quantize_rows(l, du, rows, n, q2, scales + (n / 128) * ld, ld, limit, stream);
   if (r != MOK_SUCCESS) return r;
   mok_grouped_gemm_params_t f = mok_gg_fp8_params(p->epilogue, p->num_groups, p->m_total, p->n, n);
   f.a = q, f.a2 = q2, f.k2 = n;
@@ -222,7 +225,8 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   mok_grouped_gemm_params_t dx = mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_NMAJOR, E, R, H, I);
   dx.a = WS(MOK_WS_DG), dx.b = a->w.wg, dx.offsets = c->offsets, dx.c = WS(MOK_WS_DXK);
   dx.a2 = WS(MOK_WS_DU), dx.b2 = a->w.wu, dx.k2 = I;
-  if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DG), WS(MOK_WS_DU), R, I, R4, WS(MOK_WS_AQ),
+  if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DG), WS(MOK_WS_DU), R, c->offsets + E, I, R4,
+                                WS(MOK_WS_AQ),
                                 WS(MOK_WS_AQ2), (float *)WS(MOK_WS_AQ_S), MOK_QW_WG_T, &dx,
                                 stream)) != MOK_SUCCESS)
     return r;
@@ -250,7 +254,8 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     sx.a = WS(MOK_WS_DGS), sx.b = a->w.wsg, sx.offsets = c->shared_offsets; /* Wsg [Is, H] */
     sx.a2 = WS(MOK_WS_DUS), sx.b2 = a->w.wsu, sx.k2 = Is; /* one reduction of 2 Is */
     sx.c = WS(MOK_WS_DXS);                                /* [T, H] fp32 */
-    if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DGS), WS(MOK_WS_DUS), T, Is, T4, WS(MOK_WS_ASQ),
+    if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DGS), WS(MOK_WS_DUS), T, NULL, Is, T4,
+                                  WS(MOK_WS_ASQ),
                                   WS(MOK_WS_ASQ2), (float *)WS(MOK_WS_ASQ_S), MOK_QW_WSG_T, &sx,
                                   stream)) != MOK_SUCCESS)
       return r;

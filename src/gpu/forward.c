@@ -171,7 +171,7 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "fp8 routed gate/up", stream)) != MOK_SUCCESS)
     return r;
   if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_A), R, I, WS(MOK_WS_AQ), WS(MOK_WS_AQ_S), R4,
-                                 stream)) != MOK_SUCCESS)
+                                 c->offsets + E, stream)) != MOK_SUCCESS)
     return r;
   mok_grouped_gemm_params_t dn = mok_gg_fp8_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
   dn.a = WS(MOK_WS_AQ), dn.a_scale = (const float *)WS(MOK_WS_AQ_S), dn.a_scale_ld = R4;
@@ -192,7 +192,7 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
     if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "fp8 shared gate/up", stream)) != MOK_SUCCESS)
       return r;
     if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_AS), T, Is, WS(MOK_WS_ASQ), WS(MOK_WS_ASQ_S), T4,
-                                   stream)) != MOK_SUCCESS)
+                                   NULL, stream)) != MOK_SUCCESS)
       return r;
     mok_grouped_gemm_params_t sdn = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
     sdn.a = WS(MOK_WS_ASQ), sdn.a_scale = (const float *)WS(MOK_WS_ASQ_S), sdn.a_scale_ld = T4;
@@ -213,7 +213,8 @@ static mokResult_t gpu_forward_fp8(mok_layer_t l, const mok_forward_args_t *a,
   const int64_t T = a->num_tokens, H = l->d.hidden;
   const int64_t R4 = mok_ws_ld4(l->capacity_rows), T4 = mok_ws_ld4(l->d.max_tokens);
 #define WS(region) mok_gpu_ws(l, region)
-  mokResult_t r = mok_gpu_quantize_rows(l, a->x, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, stream);
+  mokResult_t r =
+      mok_gpu_quantize_rows(l, a->x, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, NULL, stream);
   if (r != MOK_SUCCESS) return r;
   r = mok_fwd_gather_fp8_launch(p, WS(MOK_WS_XQT), (const float *)WS(MOK_WS_XQT_S), T4,
                                 WS(MOK_WS_XQ), (float *)WS(MOK_WS_XQ_S), R4, stream);
@@ -247,82 +248,6 @@ mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
 }
 
 #else /* !MOK_WITH_CUDA: no GPU layer can exist (mok_comm_create_local reports NO_DEVICE) */
-
-/* fp8-block (W = 1): the kernel chain with e4m3 GEMMs, after this call's layout (p). Activations
- * are quantized per row in 1x128 blocks along each GEMM's reduction, with the layer's scale
- * rounding, as the reference does (src/cpu/ref_layer.c):
- *   quantize x [T, H] -> xqt (once per token; the shared expert's A)
- *   fp8 gather        xqt rows -> xq [R, H] in expert order, with their scales
- *   gate/up           fp8 SwiGLU GEMM: a = bf16(row_w · silu(g) · u) [R, I] (SAVE: g, u -> ctx)
- *   quantize a        -> aq
- *   down              yk [R, H] bf16 = aq · Wdᵀ
- *   shared            SwiGLU GEMM on xqt -> as; quantize -> asq; ys [T, H] fp32 = asq · Wsdᵀ
- *   reduce            y = bf16(ys + yk(slot 0) + ... + yk(slot K-1)), as in bf16
- * Weights come from the caller's mok_quantize_weights buffer (the forward copies). Every
- * activation scale array is K-block major (src/common/workspace.h), which the GEMM loads with its
- * operand tiles. */
-static mokResult_t gpu_forward_fp8(mok_layer_t l, const mok_forward_args_t *a,
-                                   const mok_fwd_local_params_t *pp, char *ctx, void *stream) {
-  const mok_fwd_local_params_t p = *pp;
-  const mok_ws_layout_t *lay = &l->gpu->lay;
-  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
-                Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
-  const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
-  const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
-#define WS(region) mok_gpu_ws(l, region)
-  mokResult_t r = mok_gpu_quantize_rows(l, a->x, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, stream);
-  if (r != MOK_SUCCESS) return r;
-  r = mok_fwd_gather_fp8_launch(&p, WS(MOK_WS_XQT), (const float *)WS(MOK_WS_XQT_S), T4,
-                                WS(MOK_WS_XQ), (float *)WS(MOK_WS_XQ_S), R4, stream);
-  if (r != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-
-  mok_grouped_gemm_params_t gu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
-  gu.a = WS(MOK_WS_XQ), gu.a_scale = (const float *)WS(MOK_WS_XQ_S), gu.a_scale_ld = R4;
-  mok_gpu_qw_operand(l, &a->w, MOK_QW_WG, 0, &gu);
-  mok_gpu_qw_operand(l, &a->w, MOK_QW_WU, 1, &gu);
-  gu.offsets = p.offsets;
-  gu.c = WS(MOK_WS_A);
-  gu.row_scale = p.row_w;
-  gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
-  gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
-  if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "fp8 routed gate/up", stream)) != MOK_SUCCESS)
-    return r;
-  if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_A), R, I, WS(MOK_WS_AQ), WS(MOK_WS_AQ_S), R4,
-                                 stream)) != MOK_SUCCESS)
-    return r;
-  mok_grouped_gemm_params_t dn = mok_gg_fp8_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
-  dn.a = WS(MOK_WS_AQ), dn.a_scale = (const float *)WS(MOK_WS_AQ_S), dn.a_scale_ld = R4;
-  mok_gpu_qw_operand(l, &a->w, MOK_QW_WD, 0, &dn);
-  dn.offsets = p.offsets;
-  dn.c = (void *)p.yk; /* [R, H] over xg, unused by this chain */
-  if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "fp8 routed down", stream)) != MOK_SUCCESS) return r;
-
-  if (Is > 0) {
-    mok_grouped_gemm_params_t sgu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
-    sgu.a = WS(MOK_WS_XQT), sgu.a_scale = (const float *)WS(MOK_WS_XQT_S), sgu.a_scale_ld = T4;
-    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
-    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSU, 1, &sgu);
-    sgu.offsets = p.shared_offsets;
-    sgu.c = WS(MOK_WS_AS);
-    sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
-    sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
-    if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "fp8 shared gate/up", stream)) != MOK_SUCCESS)
-      return r;
-    if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_AS), T, Is, WS(MOK_WS_ASQ), WS(MOK_WS_ASQ_S), T4,
-                                   stream)) != MOK_SUCCESS)
-      return r;
-    mok_grouped_gemm_params_t sdn = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
-    sdn.a = WS(MOK_WS_ASQ), sdn.a_scale = (const float *)WS(MOK_WS_ASQ_S), sdn.a_scale_ld = T4;
-    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD, 0, &sdn);
-    sdn.offsets = p.shared_offsets;
-    sdn.c = (void *)p.ys;
-    if ((r = mok_gpu_gemm(l, &sdn, "mok_forward", "fp8 shared down", stream)) != MOK_SUCCESS)
-      return r;
-  }
-#undef WS
-  r = mok_fwd_reduce_launch(&p, stream);
-  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
-}
 
 mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
                             mok_stream_t stream) {

@@ -113,9 +113,11 @@ mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, cons
 
 /* fp8-block layers: `rows` bf16 rows of `cols` (in, device memory) quantized along the row in 1x128
  * blocks with the layer's scale rounding, exactly as mok_quantize_host does, into e4m3 q [rows,
- * cols] and K-block-major scales (row r, block b at scales[b * ld + r], ld >= rows). */
+ * cols] and K-block-major scales (row r, block b at scales[b * ld + r], ld >= rows); with `limit`
+ * (device memory, e.g. offsets + E) only rows below *limit: the routed rows of the call. */
 mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, int64_t cols,
-                                  void *q, void *scales, int64_t ld, void *stream);
+                                  void *q, void *scales, int64_t ld, const int32_t *limit,
+                                  void *stream);
 
 /* fp8-block layers: B and b_scale of a GEMM (p->b, p->b_scale; second = 1: p->b2, p->b2_scale) from
  * operand copy `which` of the caller's quantized weights w. */

@@ -182,7 +182,8 @@ mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, cons
 
 
 mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, int64_t cols,
-                                  void *q, void *scales, int64_t ld, void *stream) {
+                                  void *q, void *scales, int64_t ld, const int32_t *limit,
+                                  void *stream) {
   mok_quantize_params_t p;
   memset(&p, 0, sizeof(p));
   p.in = in;
@@ -195,6 +196,7 @@ mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, i
   p.q = (uint8_t *)q;
   p.scales = scales;
   p.scales_ld = ld;
+  p.rows_limit = limit;
   const mokResult_t r = mok_quantize_launch(&p, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }

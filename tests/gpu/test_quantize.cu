@@ -572,6 +572,29 @@ MOK_TEST(quant_gpu_transposed_scales_match_row_major) {
           }
         }
     MOK_EXPECT_MSG(bad == 0, "block 1x%d: %d scales wrong", bc, bad);
+    if (bc == 128) {  // rows_limit (device memory): rows below it as before, none past it touched
+      const int32_t lim = 150;
+      int32_t *dlim = (int32_t *)test_dev_copy(&lim, sizeof(lim));
+      mok_quantize_params_t u = p;
+      u.count = 1, u.rows_limit = dlim;
+      cudaMemset(dq2, 0xA5, qn);
+      cudaMemset(dt, 0xA5, tn);
+      u.q = dq2, u.scales = dt;
+      MOK_EXPECT(mok_quantize_launch(&u, NULL) == MOK_SUCCESS);
+      MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+      std::vector<uint8_t> lq((size_t)(rows * cols)), ls((size_t)(rows * nbc) * sb);
+      cudaMemcpy(lq.data(), dq2, lq.size(), cudaMemcpyDeviceToHost);
+      cudaMemcpy(ls.data(), dt, ls.size(), cudaMemcpyDeviceToHost);
+      int lbad = 0;
+      for (size_t i = 0; i < lq.size(); i++)
+        lbad += (int64_t)(i / cols) < lim ? lq[i] != q[i] : lq[i] != 0xA5;
+      for (size_t i = 0; i < ls.size(); i++)
+        lbad += (int64_t)(i / sb / nbc) < lim ? ls[i] != hs[i] : ls[i] != 0xA5;
+      MOK_EXPECT_MSG(lbad == 0, "rows_limit: %d bytes wrong", lbad);
+      u.block_cols = 32, u.kind = MOK_QUANT_E8M0_SCALE;  // another block shape: refused
+      MOK_EXPECT(mok_quantize_launch(&u, NULL) == MOK_ERROR_INVALID_VALUE);
+      cudaFree(dlim);
+    }
     t.scales_ld = rows - 1;  // fewer than the block rows
     MOK_EXPECT(mok_quantize_launch(&t, NULL) == MOK_ERROR_INVALID_SHAPE);
     cudaFree(dsrc); cudaFree(dq); cudaFree(dq2); cudaFree(ds); cudaFree(dt);

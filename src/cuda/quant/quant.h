@@ -42,6 +42,10 @@ typedef struct {
                                  matrix at [b_c * scales_ld + b_r] (scales_ld >= ceil(rows /
                                  block_rows); matrices scales_ld * ceil(cols / block_cols) apart):
                                  the K-block-major activation scales of the fp8 grouped GEMM */
+  const int32_t *rows_limit;  /* NULL, or device memory: rows at or past *rows_limit are neither
+                                 read nor written (a layer's routed rows, offsets[E], which the
+                                 host does not know); only for 1x128 blocks of rows a multiple
+                                 of 128 long, one matrix, 16-byte aligned in, 8-byte aligned q */
 } mok_quantize_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,

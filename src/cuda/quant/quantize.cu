@@ -161,6 +161,7 @@ typedef struct {
   int64_t pairs;       // block pairs per row, ceil(kb / 2)
   int64_t ld;          // 0: row-major scales
   int64_t groups;      // row groups of QROW_WARPS
+  const int32_t *limit;  // NULL, or the rows to quantize, *limit <= rows (device memory)
   mok_quant_scale_t kind;
 } quant_rows_t;
 
@@ -173,10 +174,11 @@ __device__ __forceinline__ uint32_t quant_cvt_e4m3x2(float lo, float hi) {
 __global__ void __launch_bounds__(QROW_THREADS)
     quant_rows_kernel(const __grid_constant__ quant_rows_t p) {
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-  const int64_t units = p.groups * p.pairs;  // (row group, block pair), block pair fastest
+  const int64_t rows = p.limit ? min(p.rows, (int64_t)max(*p.limit, 0)) : p.rows;
+  const int64_t units = (rows + QROW_WARPS - 1) / QROW_WARPS * p.pairs;  // block pair fastest
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const int64_t g = u / p.pairs, pr = u - g * p.pairs, row = g * QROW_WARPS + warp;
-    if (row >= p.rows) continue;  // the whole warp
+    if (row >= rows) continue;  // the whole warp
     const int64_t c = 2 * pr + lane / 16;  // this half's block
     const bool live = c < p.kb;
     const int64_t at = row * p.kb * 16 + c * 16 + lane % 16;  // this lane's 8 elements
@@ -229,6 +231,7 @@ static mokResult_t quant_rows_run(const mok_quantize_params_t *p, void *stream) 
   r.ld = p->scales_ld;
   r.groups = (p->rows + QROW_WARPS - 1) / QROW_WARPS;
   r.kind = p->kind;
+  r.limit = p->rows_limit;
   // a few waves of CTAs (8 per SM fit), each looping over units
   const int64_t units = r.groups * r.pairs, max_grid = 8192;
   const unsigned grid = (unsigned)(units < max_grid ? units : max_grid);
@@ -355,6 +358,10 @@ extern "C" mokResult_t mok_quantize_launch(const mok_quantize_params_t *p, void 
   mokResult_t r = quant_add_job(&qp, "mok_quantize_launch", p);
   if (r != MOK_SUCCESS) return r;
   if (qp.total_tiles > 0 && quant_rows_fits(p)) return quant_rows_run(p, stream);
+  if (p->rows_limit)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "mok_quantize_launch: rows_limit needs one matrix of 1x128 blocks, rows a "
+                    "multiple of 128 long, in 16-byte and q 8-byte aligned, not transposed");
   return quant_run(&qp, "mok_quantize_launch", stream);
 }
 
