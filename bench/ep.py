@@ -223,7 +223,8 @@ def bits_equal(a, b):
 
 
 def common_row(p, W, team, args, d, virtual):
-    return {"bench": "ep", "case": f"{p.model}/T{p.T}/W{W}", "model": p.model, "ranks": W,
+    fp8 = "" if args.precision == "bf16" else "/" + args.precision  # its own cases
+    return {"bench": "ep", "case": f"{p.model}/T{p.T}/W{W}{fp8}", "model": p.model, "ranks": W,
             "virtual": virtual and W > 1, "gpus": 1 if virtual or W == 1 else d.world,
             "tokens": p.T,
             "tokens_per_rank": p.T // W, "device": torch.cuda.get_device_name(p.dev),
