@@ -111,6 +111,54 @@ MOK_TEST(overflow_gpu_layout_at_the_bounds_does_not_wrap) {
   MOK_EXPECT(lay.ctx_bytes >= 4 * R * I && lay.ctx[MOK_CTX_US] < lay.ctx_bytes);
 }
 
+/* fp8-block: the e4m3 regions (xqt, xq, aq, aq2, asq, asq2 and their K-block-major scales) at the
+ * bounds are there, do not wrap, and are what workspace.h lists; BF16 layers have none of them. */
+MOK_TEST(overflow_gpu_layout_fp8_regions_at_the_bounds) {
+  mok_layer_desc_t d = MOK_LAYER_DESC_INIT;
+  d.hidden = d.intermediate = d.shared_intermediate = MOK_MAX_DIM;
+  d.num_experts = 1024, d.top_k = MOK_MAX_TOP_K, d.max_tokens = MOK_MAX_TOKENS;
+  const uint64_t R = (uint64_t)MOK_MAX_CAPACITY_ROWS, H = (uint64_t)MOK_MAX_DIM, I = H, Is = H;
+  const uint64_t T = (uint64_t)MOK_MAX_TOKENS;
+  mok_ws_layout_t lay[2];
+  for (int fp8 = 0; fp8 < 2; fp8++) {
+    d.precision = fp8 ? MOK_PRECISION_FP8_BLOCK : MOK_PRECISION_BF16;
+    const mok_ws_dims_t dims = mok_ws_dims(&d, d.num_experts, MOK_MAX_CAPACITY_ROWS);
+    MOK_EXPECT(dims.fp8 == fp8);
+    mok_ws_layout(&dims, &lay[fp8]);
+  }
+  /* e4m3 values, and 4-byte scales per 128 columns of rows padded to 4 */
+  const uint64_t R4 = (R + 3) / 4 * 4, T4 = (T + 3) / 4 * 4;
+  const uint64_t q = T * H + R * H + 2 * R * I + 2 * T * Is;
+  const uint64_t sc = 4 * ((H / 128) * T4 + (H / 128) * R4 + (2 * I / 128) * R4 + (2 * Is / 128) * T4);
+  const uint64_t grew = lay[1].ws_bytes - lay[0].ws_bytes;
+  MOK_EXPECT_MSG(lay[1].ws_bytes > lay[0].ws_bytes && grew >= q + sc && grew < q + sc + 11 * 256,
+                 "fp8 regions %llu bytes, expected %llu", (unsigned long long)grew,
+                 (unsigned long long)(q + sc));
+  MOK_EXPECT(lay[1].ws[MOK_WS_XQ] - lay[1].ws[MOK_WS_XQT] >= T * H);
+  MOK_EXPECT(lay[1].ws[MOK_WS_AQ_S] - lay[1].ws[MOK_WS_AQ2] >= R * I);
+  MOK_EXPECT(lay[1].ctx_bytes == lay[0].ctx_bytes); /* the context is the same */
+  for (int r = MOK_WS_XQT; r < MOK_WS_COUNT; r++) /* BF16: empty, at the end */
+    MOK_EXPECT(lay[0].ws[r] == lay[0].ws_bytes);
+}
+
+/* Without a shared expert the quantized weights hold no shared copies (count 0: nothing to read
+ * from the NULL shared weights), with one they hold all six. */
+MOK_TEST(overflow_quantized_layout_without_shared_expert) {
+  mok_layer_desc_t d = MOK_LAYER_DESC_INIT;
+  d.hidden = 256, d.intermediate = 384, d.num_experts = 4, d.top_k = 2, d.max_tokens = 16;
+  d.precision = MOK_PRECISION_FP8_BLOCK;
+  for (int shared = 0; shared < 2; shared++) {
+    d.shared_intermediate = shared ? 128 : 0;
+    mok_qw_layout_t q;
+    mok_qw_layout(&d, 4, &q);
+    for (int i = 0; i < MOK_QW_COUNT; i++) {
+      const int is_shared = i >= MOK_QW_WSG;
+      MOK_EXPECT_MSG(q.op[i].count == (is_shared ? shared : 4), "operand %d: count %lld", i,
+                     (long long)q.op[i].count);
+    }
+  }
+}
+
 /* A zero-row matrix with cols near INT64_MAX is valid and empty; its block count must not
  * overflow (cols + block - 1 did: undefined behaviour that -fsanitize=undefined reports). */
 MOK_TEST(overflow_host_quantizer_block_counts) {

@@ -283,6 +283,8 @@ class MoE(torch.nn.Module):
     stays None; zero them with moe.zero_main_grad() (or your optimizer's) between steps. The
     backward then goes through the op mok::backward_main_grad, which mutates the buffers. Eager
     only: under torch.compile that backward raises MokError (the buffers are not graph inputs).
+    precision "fp8-block" quantizes the weights at every forward (fp8_scale "fp32": amax / 448, or
+    "pow2": powers of two) and runs the fp8 layer; "mxfp8" runs on the CPU only.
     Initialization: the parameters are drawn as a W = 1 module draws them (the full [E, ...]
     tensors, in the same order, from torch's default generator) and each rank keeps its slice,
     so rank r's experts are experts [r EL, (r + 1) EL) of the W = 1 module made after the same
@@ -294,7 +296,7 @@ class MoE(torch.nn.Module):
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens, shared_intermediate=0,
                  precision="bf16", device=None, recompute=False, *, process_group=None, comm=None,
-                 main_grad=False):
+                 main_grad=False, fp8_scale="fp32"):
         super().__init__()
         if process_group is not None and comm is not None:
             raise MokError("INVALID_VALUE", "MoE: pass process_group or comm, not both")
@@ -302,7 +304,7 @@ class MoE(torch.nn.Module):
             comm = Comm.from_process_group(process_group, device)
         self.layer = Layer(hidden, intermediate, num_experts, top_k, max_tokens,
                            shared_intermediate, precision, device, recompute=recompute, comm=comm,
-                           wgrad_fp32=True, wgrad_accumulate=main_grad)
+                           wgrad_fp32=True, wgrad_accumulate=main_grad, fp8_scale=fp8_scale)
         self.layer_id = _register(self.layer)  # how the ops (and torch.compile) name the layer
         device = torch.device(self.layer.device)  # "cuda" resolved to its ordinal
         H, I, E, Is = hidden, intermediate, num_experts, shared_intermediate

@@ -113,6 +113,17 @@ def test_fp8_layers_run_and_stay_close(problem):
         assert 2 ** -8 < err < 2 ** -3, f"{prec}: {err}"  # quantized, within e4m3's step
 
 
+def test_fp8_block_scale_roundings_differ(problem):
+    p, idx, tw = problem
+    y32, _ = run(mok.Layer(H, I, E, K, 8, IS, precision="fp8-block"), p, idx, tw)
+    y2, _ = run(mok.Layer(H, I, E, K, 8, IS, precision="fp8-block", fp8_scale="pow2"), p, idx, tw)
+    err = rel(mok.float32_from_bf16(y2), mok.float32_from_bf16(y32))
+    assert 0 < err < 2 ** -3, err  # other scales, other roundings; both within e4m3's step
+    with pytest.raises(mok.MokError) as e:
+        mok.Layer(H, I, E, K, 8, IS, precision="fp8-block", fp8_scale="e8m0")
+    assert e.value.code == "INVALID_VALUE" and "fp8_scale" in str(e.value)
+
+
 def test_errors_raise_with_message(problem):
     p, idx, tw = problem
     with pytest.raises(mok.MokError) as e:
