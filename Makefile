@@ -108,10 +108,13 @@ check-spills: $(CUDA_OBJS)
 	else echo "no CUDA objects built (nvcc not found)"; fi
 
 # The Python binding's tests first (they need numpy and pytest; torch tests skip without torch),
-# then the C tests, whose summary line closes the run.
+# then the C tests, whose summary line closes the run. TESTS="a b": the tests whose names contain
+# a or b (pytest -k "a or b"; mok_tests takes each as a filter).
+empty :=
+space := $(empty) $(empty)
 test: $(BUILD)/mok_tests check-spills
 	@if python3 -c "import numpy, pytest" 2>/dev/null; then \
-	  python3 -m pytest -q tests/python $(if $(TESTS),-k "$(TESTS)"); \
+	  python3 -m pytest -q tests/python $(if $(TESTS),-k "$(subst $(space), or ,$(strip $(TESTS)))"); \
 	  rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; \
 	else echo "SKIP python binding tests: numpy or pytest not installed (pip install numpy pytest)"; fi
 	$(BUILD)/mok_tests $(TESTS)
