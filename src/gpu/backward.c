@@ -70,39 +70,15 @@ static mokResult_t bwd_zero_wgrads(mok_layer_t l, const mok_backward_args_t *g, 
 
 /* ---- the local chain ------------------------------------------------------------------------- */
 
-/* fp8-block: the e4m3 rows of the token rows src [T, H] (x or dy) for a GEMM over the experts'
- * rows, into xq with K-block-major scales. W = 1 (c->gather): src quantized once per token into
- * xqt (which the shared expert's GEMM reads too) and its rows copied, as the forward does; else
- * the gathered rows (rows [R, H]) quantized, and src into xqt for the shared expert: per row, the
- * same bytes either way. */
-static mokResult_t fp8_rows(mok_layer_t l, const mok_bwd_rows_t *c, const void *src,
-                            const void *rows, int64_t T, void *stream) {
-  const int64_t H = l->d.hidden, R = l->capacity_rows;
-  const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
-  mokResult_t r = MOK_SUCCESS;
-#define WS(region) mok_gpu_ws(l, region)
-  if (T > 0 && (c->gather || l->d.shared_intermediate > 0))
-    r = mok_gpu_quantize_rows(l, src, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, NULL, stream);
-  if (r != MOK_SUCCESS) return r;
-  if (c->gather) {
-    r = mok_fwd_gather_fp8_launch(c->gather, WS(MOK_WS_XQT), (const float *)WS(MOK_WS_XQT_S), T4,
-                                  WS(MOK_WS_XQ), (float *)WS(MOK_WS_XQ_S), R4, stream);
-    return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
-  }
-  return mok_gpu_quantize_rows(l, rows, R, H, WS(MOK_WS_XQ), WS(MOK_WS_XQ_S), R4,
-                               c->offsets + l->EL, stream);
-#undef WS
-}
-
 /* fp8-block, RECOMPUTE mode: g, u (and gs, us) again, bit for bit the forward's: the forward's
- * e4m3 x rows (fp8_rows) and its fp8 SwiGLU GEMMs. */
+ * e4m3 x rows (mok_gpu_fp8_rows) and its fp8 SwiGLU GEMMs. */
 static mokResult_t fp8_recompute(mok_layer_t l, const mok_forward_args_t *a,
                                  const mok_bwd_rows_t *c, void *stream) {
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
   const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
 #define WS(region) mok_gpu_ws(l, region)
-  mokResult_t r = fp8_rows(l, c, a->x, WS(MOK_WS_XG), T, stream);
+  mokResult_t r = mok_gpu_fp8_rows(l, c->gather, a->x, WS(MOK_WS_XG), c->offsets, T, stream);
   if (r != MOK_SUCCESS) return r;
   mok_grouped_gemm_params_t gu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
   gu.a = WS(MOK_WS_XQ), gu.a_scale = (const float *)WS(MOK_WS_XQ_S), gu.a_scale_ld = R4;
@@ -114,7 +90,7 @@ static mokResult_t fp8_recompute(mok_layer_t l, const mok_forward_args_t *a,
   gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U);
   if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "fp8 recompute gate/up", stream)) != MOK_SUCCESS)
     return r;
-  if (Is > 0 && T > 0) { /* x quantized in xqt by fp8_rows */
+  if (Is > 0 && T > 0) { /* x quantized in xqt by mok_gpu_fp8_rows */
     mok_grouped_gemm_params_t sgu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
     sgu.a = WS(MOK_WS_XQT), sgu.a_scale = (const float *)WS(MOK_WS_XQT_S), sgu.a_scale_ld = T4;
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
@@ -203,7 +179,9 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   mok_grouped_gemm_params_t dsp = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, E, R, I, H);
   dsp.a = WS(MOK_WS_DYG), dsp.b = a->w.wd, dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
   if (fp8) {
-    if ((r = fp8_rows(l, c, gr->dy, WS(MOK_WS_DYG), T, stream)) != MOK_SUCCESS) return r;
+    if ((r = mok_gpu_fp8_rows(l, c->gather, gr->dy, WS(MOK_WS_DYG), c->offsets, T, stream)) !=
+        MOK_SUCCESS)
+      return r;
     dsp = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, E, R, I, H);
     dsp.a = WS(MOK_WS_XQ), dsp.a_scale = (const float *)WS(MOK_WS_XQ_S), dsp.a_scale_ld = R4;
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WD_T, 0, &dsp);
@@ -237,7 +215,7 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     mok_grouped_gemm_params_t ss = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, Is, H);
     ss.a = gr->dy, ss.b = a->w.wsd, ss.offsets = c->shared_offsets; /* Wsd [H, Is] = [K, N] */
     ss.c = WS(MOK_WS_DSS);                                          /* [T, Is] */
-    if (fp8) { /* dy quantized in xqt by fp8_rows */
+    if (fp8) { /* dy quantized in xqt by mok_gpu_fp8_rows */
       ss = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, 1, T, Is, H);
       ss.a = WS(MOK_WS_XQT), ss.a_scale = (const float *)WS(MOK_WS_XQT_S), ss.a_scale_ld = T4;
       mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD_T, 0, &ss); /* [Is, H] */

@@ -210,16 +210,8 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
  * into expert order (xq), the experts' GEMMs (mok_gpu_forward_fp8_experts), the BF16 reduce. */
 static mokResult_t gpu_forward_fp8(mok_layer_t l, const mok_forward_args_t *a,
                                    const mok_fwd_local_params_t *p, char *ctx, void *stream) {
-  const int64_t T = a->num_tokens, H = l->d.hidden;
-  const int64_t R4 = mok_ws_ld4(l->capacity_rows), T4 = mok_ws_ld4(l->d.max_tokens);
-#define WS(region) mok_gpu_ws(l, region)
-  mokResult_t r =
-      mok_gpu_quantize_rows(l, a->x, T, H, WS(MOK_WS_XQT), WS(MOK_WS_XQT_S), T4, NULL, stream);
+  mokResult_t r = mok_gpu_fp8_rows(l, p, a->x, NULL, p->offsets, a->num_tokens, stream);
   if (r != MOK_SUCCESS) return r;
-  r = mok_fwd_gather_fp8_launch(p, WS(MOK_WS_XQT), (const float *)WS(MOK_WS_XQT_S), T4,
-                                WS(MOK_WS_XQ), (float *)WS(MOK_WS_XQ_S), R4, stream);
-  if (r != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-#undef WS
   const mok_fp8_rows_t c = {p->offsets, p->shared_offsets, p->row_w};
   if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   r = mok_fwd_reduce_launch(p, stream);

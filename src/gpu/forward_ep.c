@@ -79,15 +79,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
   if (l->d.precision == MOK_PRECISION_FP8_BLOCK) {
     /* the arrived bf16 rows quantized per row: the bytes W = 1 copies from each token's once */
-    const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
-    if ((r = mok_gpu_quantize_rows(l, p.xg, R, H, mok_gpu_ws(l, MOK_WS_XQ),
-                                   mok_gpu_ws(l, MOK_WS_XQ_S), R4, p.offsets + EL, stream)) !=
-            MOK_SUCCESS ||
-        (Is > 0 && T > 0 &&
-         (r = mok_gpu_quantize_rows(l, a->x, T, H, mok_gpu_ws(l, MOK_WS_XQT),
-                                    mok_gpu_ws(l, MOK_WS_XQT_S), T4, NULL, stream)) !=
-             MOK_SUCCESS))
-      return r;
+    if ((r = mok_gpu_fp8_rows(l, NULL, a->x, p.xg, p.offsets, T, stream)) != MOK_SUCCESS) return r;
     const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w};
     if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   } else {

@@ -119,6 +119,15 @@ mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, i
                                   void *q, void *scales, int64_t ld, const int32_t *limit,
                                   void *stream);
 
+/* fp8-block layers: the e4m3 rows of a call's token rows src [T, H] (x or dy) for the GEMMs over the
+ * experts' rows, into the workspace's xq with K-block-major scales. With `gather` (W = 1: the
+ * gather's parameters) src is quantized once per token into xqt and its rows copied into expert
+ * order; else the rows already in expert order (`rows` [R, H], those below offsets[EL]) are
+ * quantized, and src into xqt only for the shared expert. Per row the same bytes either way. */
+mokResult_t mok_gpu_fp8_rows(mok_layer_t l, const struct mok_fwd_local_params *gather,
+                             const void *src, const void *rows, const int32_t *offsets, int64_t T,
+                             void *stream);
+
 /* fp8-block layers: B and b_scale of a GEMM (p->b, p->b_scale; second = 1: p->b2, p->b2_scale) from
  * operand copy `which` of the caller's quantized weights w. */
 void mok_gpu_qw_operand(mok_layer_t l, const mok_weights_t *w, mok_qw_which_t which, int second,

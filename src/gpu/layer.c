@@ -201,6 +201,27 @@ mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, i
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }
 
+mokResult_t mok_gpu_fp8_rows(mok_layer_t l, const mok_fwd_local_params_t *gather,
+                             const void *src, const void *rows, const int32_t *offsets, int64_t T,
+                             void *stream) {
+  const int64_t H = l->d.hidden, R = l->capacity_rows;
+  const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
+  mokResult_t r = MOK_SUCCESS;
+  if (T > 0 && (gather || l->d.shared_intermediate > 0))
+    r = mok_gpu_quantize_rows(l, src, T, H, mok_gpu_ws(l, MOK_WS_XQT), mok_gpu_ws(l, MOK_WS_XQT_S),
+                              T4, NULL, stream);
+  if (r != MOK_SUCCESS) return r;
+  if (gather) {
+    r = mok_fwd_gather_fp8_launch(gather, mok_gpu_ws(l, MOK_WS_XQT),
+                                  (const float *)mok_gpu_ws(l, MOK_WS_XQT_S), T4,
+                                  mok_gpu_ws(l, MOK_WS_XQ), (float *)mok_gpu_ws(l, MOK_WS_XQ_S), R4,
+                                  stream);
+    return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+  }
+  return mok_gpu_quantize_rows(l, rows, R, H, mok_gpu_ws(l, MOK_WS_XQ), mok_gpu_ws(l, MOK_WS_XQ_S),
+                               R4, offsets + l->EL, stream);
+}
+
 void mok_gpu_qw_operand(mok_layer_t l, const mok_weights_t *w, mok_qw_which_t which, int second,
                         mok_grouped_gemm_params_t *p) {
   const mok_qw_operand_t *o = &l->gpu->qw.op[which];
