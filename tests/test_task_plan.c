@@ -56,7 +56,7 @@ static int problem_init(problem_t *pb, uint64_t seed, int64_t T, int32_t E, int6
   memset(pb, 0, sizeof(*pb));
   if (!plan_layout_random(&pb->lay, pb->mt_pre, seed, T, E, K, 0, BM)) return 0;
   pb->T = T, pb->K = K;
-  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0, 0};
+  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0, 0, 0};
   pb->down_target = calloc((size_t)pb->plan.t_tiles + 1, sizeof(int64_t));
   for (int32_t e = 0; e < E; e++)
     for (int32_t m = 0; m < pb->mt_pre[e + 1] - pb->mt_pre[e]; m++) for_each_block(pb, e, m, add_target, pb);
@@ -449,6 +449,33 @@ MOK_TEST(task_plan_stage_hints_do_not_change_tasks) {
   MOK_EXPECT_MSG(bad == 0 && bad_stage == 0,
                  "%lld of %lld lookups gave another task, %lld another stage", (long long)bad,
                  (long long)checked, (long long)bad_stage);
+}
+
+/* no_reduce (the expert-parallel forward, whose reduce runs after the combine): the same tasks in
+ * the same order, without the REDUCE tail, so every dependency argument above carries over. */
+MOK_TEST(task_plan_without_reduce_is_the_prefix_before_reduce) {
+  int64_t bad = 0, reduces = 0, checked = 0;
+  for (int variant = 0; variant < 8; variant++) {
+    problem_t pb;
+    MOK_REQUIRE(problem_init(&pb, 21 + variant, variant < 4 ? 37 : 9, 6, 2, variant & 1, 3, 2));
+    pb.plan.lag = variant % 3 + 1;
+    pb.plan.group_m = variant & 2 ? 2 : 0;
+    mok_task_plan_t q = pb.plan;
+    q.no_reduce = 1;
+    const int64_t n = mok_plan_num_tasks(&pb.plan), m = mok_plan_num_tasks(&q);
+    MOK_EXPECT_MSG(m == n - pb.plan.t_tiles, "variant %d: %lld tasks without REDUCE, %lld with "
+                   "(%d token tiles)", variant, (long long)m, (long long)n, pb.plan.t_tiles);
+    for (int64_t i = 0; i < m; i++) {
+      const mok_task_t t = mok_plan_task(&q, i);
+      reduces += t.kind == MOK_TASK_REDUCE;
+      bad += !same_task(t, mok_plan_task(&pb.plan, i));
+      checked++;
+    }
+    for (int64_t i = m; i < n; i++) bad += mok_plan_task(&pb.plan, i).kind != MOK_TASK_REDUCE;
+    problem_free(&pb);
+  }
+  MOK_EXPECT_MSG(bad == 0 && reduces == 0, "%lld of %lld tasks differ, %lld REDUCE tasks left",
+                 (long long)bad, (long long)checked, (long long)reduces);
 }
 
 /* A block too large for 32-bit tile arithmetic takes the 64-bit path, with the same tiles: in

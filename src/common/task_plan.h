@@ -14,7 +14,7 @@
  * The order: for s = 0 .. E + L - 1: GATE_UP tiles of expert s (s < E) followed by DOWN tiles of
  * expert s - L (s >= L); then the shared expert in bands of `shared_band` token tiles: for
  * u = 0 .. U (U bands), SHARED_GATE_UP tiles of band u (u < U) followed by SHARED_DOWN tiles of
- * band u - 1 (u >= 1); then REDUCE. The lag L >= 1 (field `lag`) keeps a DOWN tile a few hundred
+ * band u - 1 (u >= 1); then REDUCE (none with no_reduce). The lag L >= 1 (field `lag`) keeps a DOWN tile a few hundred
  * tasks behind the GATE_UP tiles it reads, so that with a grid of ~132 CTAs they have finished by
  * the time it is taken instead of running beside it; the shared expert's band lag does the same
  * for its down tiles. The shared expert comes last so that the reduce of a token block can start
@@ -87,6 +87,9 @@ typedef struct {
   int32_t lag;            /* expert stages from an expert's GATE_UP tiles to its DOWN tiles; 0 = 1 */
   int32_t group_m;        /* row tiles per band of a block (see above); 0 = row tile by row tile */
   int32_t shared_band;    /* token tiles per band of the shared expert; 0 = 8 */
+  int32_t no_reduce;      /* 1: the order ends before REDUCE (expert parallel: the tokens' expert
+                             outputs must come home first, and a kernel after the combine sums
+                             them) */
 } mok_task_plan_t;
 
 MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
@@ -159,7 +162,7 @@ MOK_HD int64_t mok_plan_shared_start(const mok_task_plan_t *p, int32_t u) {
 
 MOK_HD int64_t mok_plan_num_tasks(const mok_task_plan_t *p) {
   return mok_plan_stage_start(p, p->E + mok_plan_lag(p)) +
-         mok_plan_shared_start(p, mok_plan_bands(p) + 1) + p->t_tiles;
+         mok_plan_shared_start(p, mok_plan_bands(p) + 1) + (p->no_reduce ? 0 : p->t_tiles);
 }
 
 /* The expert stage of task i (mok_plan_stage_start(s) <= i < the next stage's start, empty stages

@@ -9,17 +9,20 @@
  *   prep       status, the local layout (offsets of this rank's EL experts), own rows' weights
  *   dispatch   the transport's: each token crosses NVLink once per rank that holds any of its
  *              experts, with its rows' router weights and positions; waits for every source
- *   gather     xg = the rows of this rank's experts, from the received tokens or x
- *   GEMMs      the W = 1 chain's grouped GEMMs on this rank's experts (gate/up with SwiGLU and
- *              the router weight, down -> yk), and the shared expert on this rank's tokens -> ys;
- *              fp8-block: the rows and x quantized per row, then the W = 1 fp8 GEMMs
- *              (mok_gpu_forward_fp8_experts; rows cross NVLink in bf16)
+ *   experts    BF16: the W = 1 fused persistent kernel (forward/fused.cu) on this rank's experts
+ *              and its shared expert, gathering each row into its gate/up tiles from the
+ *              received tokens or x, without its REDUCE (ep_forward_fused);
+ *              the chain (tuning forward_path = MOK_FORWARD_CHAIN, the fused kernel's oracle, and
+ *              fp8-block): gather xg = the rows of this rank's experts, then the W = 1 chain's
+ *              grouped GEMMs (gate/up with SwiGLU and the router weight, down -> yk; the shared
+ *              expert on this rank's tokens -> ys); fp8-block: the rows and x quantized per row,
+ *              then the W = 1 fp8 GEMMs (mok_gpu_forward_fp8_experts; rows cross NVLink in bf16)
  *   combine    yk rows of other ranks' tokens to their home ranks; waits for every expert rank
  *   reduce     y = bf16(ys + Σ_k yk) in slot order
  *
  * The context: its header (by prep, valid only when the call is), this rank's offsets, and in
- * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). Not yet fused into
- * one persistent kernel. Counters advance by host-side call numbers (epochs), so a forward
+ * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). The dispatch and
+ * the combine are not inside the persistent kernel yet. Counters advance by host-side call numbers (epochs), so a forward
  * captured in a CUDA graph must not be replayed.
  */
 #include <string.h>
@@ -28,6 +31,56 @@
 
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda/forward/forward.h"
+
+/* BF16: this rank's experts and shared expert in the fused persistent kernel of the W = 1
+ * forward, after the dispatch (p: its params). GATE_UP gathers each row from the received tokens
+ * or from x through the row's source (row_src, written by the dispatch), so there is no gather
+ * pass; the kernel stops before REDUCE, which comes after the combine. Same tiles as the chain,
+ * so the same bits. */
+static mokResult_t ep_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
+                                    const mok_tp_params_t *p, char *ctx, void *stream) {
+  const mok_ws_layout_t *lay = &l->gpu->lay;
+  const int64_t Is = l->d.shared_intermediate, R = l->capacity_rows;
+  const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = Is > 0;
+  mok_fwd_fused_params_t f;
+  memset(&f, 0, sizeof(f));
+  mok_fwd_local_params_t *q = &f.l;
+  q->T = a->num_tokens, q->H = l->d.hidden, q->E = l->EL, q->K = l->d.top_k, q->Is = Is;
+  q->capacity_rows = R;
+  q->topk_idx = a->topk_idx, q->topk_w = a->topk_w, q->x = a->x;
+  q->err = p->layer_err, q->status = p->status, q->offsets = p->offsets;
+  q->shared_offsets = p->shared_offsets;
+  q->row_w = (float *)(p->peer[p->rank] + p->win.row_w);
+  q->row_tok = (int32_t *)(p->peer[p->rank] + p->win.row_src);
+  q->tile_pre = p->tile_pre;
+  q->yk = p->yk, q->ys = p->ys;
+  /* not read without REDUCE; the launcher wants every region */
+  q->slot_row = (int32_t *)mok_gpu_ws(l, MOK_WS_SLOT_ROW);
+  q->red_pre = (int32_t *)mok_gpu_ws(l, MOK_WS_RED_PRE);
+  q->red_order = (int32_t *)mok_gpu_ws(l, MOK_WS_RED_ORDER);
+  q->counters = (uint32_t *)mok_gpu_ws(l, MOK_WS_COUNTERS);
+  q->n_counters = mok_fc_count(R, l->EL, l->d.max_tokens);
+  /* the W = 1 layout kernel zeroes them; here the stream does, after the previous call's kernel */
+  cudaError_t ce = cudaMemsetAsync(q->counters, 0, (size_t)q->n_counters * 4,
+                                   (cudaStream_t)stream);
+  if (ce != cudaSuccess) return mok_gpu_cuda_fail(l, "mok_forward: cudaMemsetAsync", ce);
+  f.I = l->d.intermediate;
+  f.wg = a->w.wg, f.wu = a->w.wu, f.wd = a->w.wd;
+  f.wsg = a->w.wsg, f.wsu = a->w.wsu, f.wsd = a->w.wsd;
+  f.a = mok_gpu_ws(l, MOK_WS_A);
+  f.as = shared ? mok_gpu_ws(l, MOK_WS_AS) : NULL;
+  f.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
+  f.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
+  f.gs_out = save && shared ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
+  f.us_out = save && shared ? ctx + lay->ctx[MOK_CTX_US] : NULL;
+  f.num_sms = l->tuning.forward_sms;
+  f.tuning = &l->tuning;
+  f.recv_x = p->peer[p->rank] + p->win.recv_x;
+  const mokResult_t r = mok_fwd_fused_launch(&f, stream);
+  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+}
 
 mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void *y, char *ctx,
                                void *stream) {
@@ -54,6 +107,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     (q).topk_w = a->topk_w, (q).x = a->x, (q).y = y, (q).R = R;             \
     (q).status = (int32_t *)mok_gpu_ws(l, MOK_WS_STATUS);                   \
     (q).offsets = (int32_t *)mok_gpu_ws(l, MOK_WS_OFFSETS);                 \
+    (q).tile_pre = (int32_t *)mok_gpu_ws(l, MOK_WS_TILE_PRE);               \
     (q).shared_offsets = (int32_t *)mok_gpu_ws(l, MOK_WS_SHARED_OFFSETS);   \
     (q).layer_err = mok_gpu_ws(l, MOK_WS_ERROR);                            \
     (q).xg = mok_gpu_ws(l, MOK_WS_XG);                                      \
@@ -72,12 +126,17 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   EP_FILL(p);
   if ((r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");
-  if ((r = mok_ep_gather_launch(&p, stream)) != MOK_SUCCESS)
+  const int fused = l->d.precision == MOK_PRECISION_BF16 &&
+                    l->tuning.forward_path != MOK_FORWARD_CHAIN;
+  if (!fused && (r = mok_ep_gather_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the expert-parallel gather failed to launch");
 
-  /* This rank's experts over the rows that arrived (the W = 1 chain's GEMMs). */
+  /* This rank's experts over the rows that arrived: the fused kernel, or the W = 1 chain's
+   * GEMMs over the gathered rows (fp8-block, or the chain the tuning asks for). */
   const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
-  if (l->d.precision == MOK_PRECISION_FP8_BLOCK) {
+  if (fused) {
+    if ((r = ep_forward_fused(l, a, &p, ctx, stream)) != MOK_SUCCESS) return r;
+  } else if (l->d.precision == MOK_PRECISION_FP8_BLOCK) {
     /* the arrived bf16 rows quantized per row: the bytes W = 1 copies from each token's once */
     if ((r = mok_gpu_fp8_rows(l, NULL, a->x, p.xg, p.offsets, T, stream)) != MOK_SUCCESS) return r;
     const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w};

@@ -231,8 +231,10 @@ static int ep_same_as_w1(ep_team_t *t, const std::vector<uint16_t> &ref, const i
   return ok;
 }
 
-// One EP-invariance case: W ranks with tokens T[0..W-1] (rank order) of p.
-static int ep_case(const fwd_problem_t *p, int W, const int64_t *T, const char *what) {
+// One EP-invariance case: W ranks with tokens T[0..W-1] (rank order) of p, each rank's experts in
+// the fused kernel or (path MOK_FORWARD_CHAIN) the chain of grouped GEMMs.
+static int ep_case_path(const fwd_problem_t *p, int W, const int64_t *T, const char *what,
+                        mok_forward_path_t path) {
   int64_t total = 0, T_max = 1;
   for (int r = 0; r < W; r++) total += T[r], T_max = T[r] > T_max ? T[r] : T_max;
   const std::vector<uint16_t> ref = ep_reference_y(p, total);
@@ -245,6 +247,12 @@ static int ep_case(const fwd_problem_t *p, int W, const int64_t *T, const char *
     MOK_EXPECT_MSG(0, "%s: the ranks' layers could not be created", what);
     return 0;
   }
+  for (int r = 0; r < W; r++)
+    if (test_set_forward_path(t.l[r], path) != MOK_SUCCESS) {
+      MOK_EXPECT_MSG(0, "%s: rank %d: forward path: %s", what, r, mok_last_error());
+      ep_close(&t);
+      return 0;
+    }
   ep_inputs(&t, p, T);
   mokResult_t res[EP_MAX_W], chk[EP_MAX_W];
   char msg[EP_MAX_W][MOK_ERR_LEN];
@@ -263,6 +271,10 @@ static int ep_case(const fwd_problem_t *p, int W, const int64_t *T, const char *
   return ok;
 }
 
+static int ep_case(const fwd_problem_t *p, int W, const int64_t *T, const char *what) {
+  return ep_case_path(p, W, T, what, MOK_FORWARD_FUSED);
+}
+
 static void ep_problem(fwd_problem_t *p, int64_t Is, int64_t T, test_route_t route) {
   fwd_problem_init(p, 256, 256, 16, 4, Is, T, T);
   fwd_route(p, route);
@@ -276,8 +288,11 @@ MOK_TEST(ep_forward_two_ranks_equal_one) {
   ep_case(&p, 2, even, "W = 2, 150 + 150 tokens");
   ep_case(&p, 2, uneven, "W = 2, 211 + 89 tokens");
   ep_case(&p, 2, zero, "W = 2, rank 0 without tokens");
+  ep_case_path(&p, 2, uneven, "W = 2, the experts' kernel chain", MOK_FORWARD_CHAIN);
   ep_problem(&p, 0, 300, test_route_uniform(0.3));
   ep_case(&p, 2, uneven, "W = 2, no shared expert, 30% empty slots");
+  ep_case_path(&p, 2, zero, "W = 2, the chain, no shared expert, rank 0 without tokens",
+               MOK_FORWARD_CHAIN);
 }
 
 MOK_TEST(ep_forward_four_ranks_equal_one) {

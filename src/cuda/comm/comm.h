@@ -197,6 +197,8 @@ typedef struct {
   int64_t R;                  /* the layer's routed-row capacity per rank */
   int32_t *status;            /* [1] 1: every rank's routing and row counts are valid */
   int32_t *offsets;           /* [EL + 1] this rank's experts' rows (the local layout) */
+  int32_t *tile_pre;          /* [EL + 1] or NULL: prep writes the local layout's 128-row tile
+                                 prefix sums (the fused forward's plan) */
   int32_t *shared_offsets;    /* [2] {0, T} (or {0, 0}) for the shared expert's GEMMs */
   void *layer_err;            /* the layer's mok_ws_error_t */
   void *xg;                   /* [R, H] bf16 rows of this rank's experts, in layout order */

@@ -137,6 +137,17 @@ __global__ void __launch_bounds__(EP_THREADS)
       if (p.ctx_offsets) p.ctx_offsets[e] = o;
     }
     if (p.ctx_header) ep_write_header(p, ok);
+    if (p.tile_pre) {  // the fused forward's row tiles (MOK_FC_TILE_M rows) per local expert
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int32_t pre = 0;
+        for (int64_t e = 0; e < EL; e++) {
+          p.tile_pre[e] = pre;
+          pre += (p.offsets[e + 1] - p.offsets[e] + MOK_FC_TILE_M - 1) / MOK_FC_TILE_M;
+        }
+        p.tile_pre[EL] = pre;
+      }
+    }
   }
   if (!ok) return;
   // The rows of this rank's own tokens on this rank's experts (the others' come with dispatch).

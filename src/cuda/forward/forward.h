@@ -101,6 +101,13 @@ typedef struct {
   double timeout_s;           /* bound of each wait on a counter; 0 = the tuning's */
   const mok_tuning_t *tuning; /* the layer's tuning (lag, bands, reduce helpers); NULL = the
                                  defaults. The bits never depend on it */
+  const void *recv_x;         /* expert parallel (src/gpu/forward_ep.c): the transport's received
+                                 tokens [W T_max, H]; l.row_tok is then its row_src (>= 0: a row
+                                 of recv_x, -(t + 1): token t of l.x), l.offsets and l.tile_pre
+                                 the rank's local layout (EP prep), the counters zeroed by the
+                                 caller; the kernel runs every tile task but no REDUCE (y is not
+                                 written: the combine brings the rows home first), even with T =
+                                 0 (other ranks' rows). NULL at W = 1 */
 } mok_fwd_fused_params_t;
 
 /* MOK_ERROR_NULL_POINTER / INVALID_SHAPE / MISALIGNED on bad arguments, MOK_ERROR_CUDA when the

@@ -125,6 +125,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     q.lag = p.lag;
     q.group_m = p.group_m;
     q.shared_band = p.shared_band;
+    q.no_reduce = p.no_reduce;
     s_plan = q;
     s_num_tasks = mok_plan_num_tasks(&q);
   }

@@ -41,12 +41,15 @@ static int32_t fk_lag(const mok_fwd_fused_params_t *p, const mok_tuning_t *t, in
 // never read or written).
 static int fk_encode_maps(const mok_fwd_fused_params_t *p, fk_maps_t *m) {
   const mok_fwd_local_params_t *l = &p->l;
-  const uint64_t T = (uint64_t)l->T, H = (uint64_t)l->H, I = (uint64_t)p->I, Is = (uint64_t)l->Is,
-                 E = (uint64_t)l->E, R = (uint64_t)l->capacity_rows;
+  // T = 0 happens only in an expert-parallel call (other ranks' rows): then no task reads x or
+  // the shared expert's rows, but the maps need a non-empty tensor.
+  const uint64_t T = l->T > 0 ? (uint64_t)l->T : 1, H = (uint64_t)l->H, I = (uint64_t)p->I,
+                 Is = (uint64_t)l->Is, E = (uint64_t)l->E, R = (uint64_t)l->capacity_rows;
   const int shared = l->Is > 0, save = p->g_out && p->u_out,
             shared_save = shared && p->gs_out && p->us_out;
+  const void *x = l->T > 0 ? l->x : p->recv_x;
   const int bad =
-      tma_encode_bf16_sw128(&m->x, l->x, T, H, 128) ||
+      tma_encode_bf16_sw128(&m->x, x, T, H, 128) ||
       tma_encode_bf16_sw128(&m->wg, p->wg, E * I, H, 128) ||
       tma_encode_bf16_sw128(&m->wu, p->wu, E * I, H, 128) ||
       tma_encode_bf16_sw128(&m->a, p->a, R, I, 128) ||
@@ -77,7 +80,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   if (!l->status || !l->offsets || !l->slot_row || !l->row_w || !l->row_tok || !l->tile_pre ||
       !l->red_pre || !l->red_order || !l->counters || !l->err || !l->yk || !p->wg || !p->wu ||
       !p->wd || !p->a ||
-      (l->T > 0 && (!l->x || !l->y)) ||
+      (l->T > 0 && (!l->x || (!p->recv_x && !l->y))) ||
       (shared && (!p->wsg || !p->wsu || !p->wsd || !p->as || !l->ys)))
     return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "fused forward launch: NULL buffer");
   const int64_t T = l->T, H = l->H, I = p->I, Is = l->Is, E = l->E, R = l->capacity_rows;
@@ -88,8 +91,8 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   if (l->n_counters < mok_fc_count(R, E, T))
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "fused forward launch: %lld counters, %lld "
                     "needed", (long long)l->n_counters, (long long)mok_fc_count(R, E, T));
-  if (!fk_a16(l->x) || !fk_a16(l->y) || !fk_a16(l->yk) || !fk_a16(p->wg) || !fk_a16(p->wu) ||
-      !fk_a16(p->wd) || !fk_a16(p->a) || (p->g_out && !fk_a16(p->g_out)) ||
+  if (!fk_a16(l->x) || !fk_a16(l->y) || !fk_a16(p->recv_x) || !fk_a16(l->yk) ||
+      !fk_a16(p->wg) || !fk_a16(p->wu) || !fk_a16(p->wd) || !fk_a16(p->a) || (p->g_out && !fk_a16(p->g_out)) ||
       (p->u_out && !fk_a16(p->u_out)) ||
       (shared && (!fk_a16(p->wsg) || !fk_a16(p->wsu) || !fk_a16(p->wsd) || !fk_a16(p->as) ||
                   !fk_a16(l->ys))))
@@ -101,7 +104,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
     mok_tuning_default(&defaults);  // an invalid MOK_DEBUG_TIMEOUT_S leaves the defaults
     tu = &defaults;
   }
-  if (T == 0) return MOK_SUCCESS;
+  if (T == 0 && !p->recv_x) return MOK_SUCCESS;
 
   fk_params_t kp;
   memset(&kp, 0, sizeof(kp));
@@ -109,6 +112,8 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   kp.x = l->x, kp.y = l->y;
   kp.status = l->status, kp.offsets = l->offsets, kp.tile_pre = l->tile_pre;
   kp.slot_row = l->slot_row, kp.row_w = l->row_w, kp.row_tok = l->row_tok;
+  kp.recv_x = p->recv_x;
+  kp.no_reduce = p->recv_x != NULL;
   kp.red_pre = l->red_pre, kp.red_order = l->red_order;
   kp.counters = l->counters, kp.err = l->err;
   kp.yk = (void *)l->yk, kp.ys = (float *)l->ys;
@@ -124,7 +129,7 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   // their experts' DOWN tiles done), none with one (its tokens wait for the shared expert, which
   // comes last).
   const int help_pct = tu->fused_help_pct >= 0 ? tu->fused_help_pct : shared ? 100 : 85;
-  kp.help_stage = (int32_t)(E * help_pct / 100);
+  kp.help_stage = kp.no_reduce ? (int32_t)E : (int32_t)(E * help_pct / 100);
   // With helpers during the expert stages, the reduce in the layout's order (tokens by their last
   // expert, fk_reduce_claims); else in token order after every DOWN tile, counted at once per
   // warpgroup (MOK_FC_DOWN): without early helpers no token is reduced before the expert stages
@@ -171,9 +176,15 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
 
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));
+  // Cooperative at W = 1. Expert parallel, a plain launch: the virtual ranks of one GPU run their
+  // kernels side by side, and another rank's communication CTAs, spinning until this rank's
+  // combine (after this kernel) signals, may hold SMs that a cooperative launch would wait for.
+  // NOTE (deadlock freedom without co-residency): a CTA takes a ticket only while it runs, and a
+  // task waits only on tasks of lower tickets, held by CTAs that already run; with no REDUCE (no
+  // claims) nothing waits on a CTA that has not started, so any number of resident CTAs finishes.
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
+  attr[0].val.cooperative = p->recv_x ? 0 : 1;
   cfg.gridDim = dim3((unsigned)grid, 1, 1);
   cfg.blockDim = dim3(MOK_TP_THREADS, 1, 1);
   cfg.dynamicSmemBytes = smem;

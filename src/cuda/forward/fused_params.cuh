@@ -63,7 +63,10 @@ typedef struct {
   const int32_t *tile_pre;      // [E + 1] row-tile prefix sums
   const int32_t *slot_row;      // [T, K] row of (token, slot), -1 for an empty slot
   const float *row_w;           // [R] router weight of each row
-  const int32_t *row_tok;       // [R] token of each row (GATE_UP gathers x through it)
+  const int32_t *row_tok;       // [R] token of each row (GATE_UP gathers x through it); expert
+                                // parallel: the row's source (>= 0: a row of recv_x; -(t + 1):
+                                // token t of x), written by the dispatch
+  const void *recv_x;           // expert parallel: [W T_max, H] bf16 tokens received; else NULL
   const int32_t *red_pre;       // [E + 2] the reduce order's bins (by_last)
   const int32_t *red_order;     // [T] tokens by their last expert
   uint32_t *counters;           // the MOK_FC_* counters (src/common/workspace.h)
@@ -85,6 +88,8 @@ typedef struct {
                                 // (fk_reduce_claims)
   int32_t help_stage;           // expert stage from which 2 producer warps reduce (E: none
                                 // before the last GATE_UP task)
+  int32_t no_reduce;            // 1: the order ends before REDUCE (expert parallel: the combine
+                                // brings the tokens' rows home, then a kernel reduces)
 } fk_params_t;
 
 // The kernel of a configuration (STAGED = 1: outputs through the staging buffers) and its dynamic

@@ -63,7 +63,12 @@ __device__ __forceinline__ void fk_gather(const fk_params_t &p, const fk_tile_t 
   for (int j = 0; j < J; j++) {
     const int64_t row = d.row0 + r0 + 4 * j;
     const bool valid = row < d.row_end;
-    src[j] = (const char *)p.x + (valid ? (int64_t)p.row_tok[row] * p.H * 2 : 0) + 16 * c;
+    // W = 1: the row's token of x. Expert parallel: a received token (v >= 0) or one of this
+    // rank's (-(t + 1)), written by the dispatch of other ranks' kernels: read at L2.
+    const int32_t v = valid ? __ldcg(p.row_tok + row) : 0;
+    const bool recv = p.recv_x && v >= 0;
+    const int64_t r = recv || !p.recv_x ? v : -(int64_t)v - 1;
+    src[j] = (const char *)(recv ? p.recv_x : p.x) + r * p.H * 2 + 16 * c;
     bytes[j] = valid ? 16u : 0u;
   }
   for (int kb = 0; kb < d.k_blocks; kb++) {

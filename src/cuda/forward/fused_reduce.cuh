@@ -26,6 +26,7 @@ __device__ __forceinline__ uint32_t fk_dn_target(const mok_task_plan_t &plan, in
 // reduce on all 12 warps took 308 us instead of 330 at Qwen3-235B (docs/performance.md, "Fused forward: reduce helpers").
 // NOTE (deadlock freedom): a token waits only on tile tasks, which wait on nothing a reduce does.
 __device__ __noinline__ void fk_reduce_claims(const fk_params_t &p, const mok_task_plan_t &plan) {
+  if (plan.no_reduce) return;  // expert parallel: the reduce comes after the combine
   const int lane = threadIdx.x & 31;
   // REDUCE(0)'s task number (a timed-out wait reports the REDUCE task of its token)
   const int64_t H8 = p.H / 8, reduce0 = mok_plan_num_tasks(&plan) - plan.t_tiles;
