@@ -6,9 +6,9 @@ fp8-block, fp32 weight gradients unless --wgrad bf16).
 One GPU (python3 bench/ep.py): W virtual ranks (mok.Comm.virtual) share the GPU, each rank's calls
 on its own stream, all enqueued from this thread. The W ranks share the SMs, so W > 1 cannot be
 faster than W = 1: the ratio to W = 1 measures the overhead of expert parallelism (the transport's
-layout, dispatch and combine, more and smaller launches, and the forward's unfused kernel chain,
-src/gpu/forward_ep.c, against W = 1's one fused kernel; w1_chain_ms is W = 1's own chain, timed in
-the same run, to tell the two apart), not scaling. Several GPUs (NCCL_NVLS_ENABLE=0 torchrun
+layout, dispatch and combine and the reduce as kernels of their own beside each rank's fused
+kernel, src/gpu/forward_ep.c, more and smaller launches; fp8-block runs a kernel chain; w1_chain_ms
+is W = 1's own chain, timed in the same run, for comparison), not scaling. Several GPUs (NCCL_NVLS_ENABLE=0 torchrun
 --nproc-per-node=W bench/ep.py): W real ranks, one per GPU, over Comm.from_process_group; each
 rank also runs the W = 1 layer on all tokens on its own GPU, as the reference and the ratio's
 denominator.
