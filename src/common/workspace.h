@@ -157,11 +157,13 @@ MOK_WS_FN int64_t mok_ws_ld4(int64_t rows) { return (rows + 3) & ~(int64_t)3; }
  *   MOK_FC_TICKET    the next task number to hand out (one atomicAdd per task)
  *   MOK_FC_CLAIM     the next token to reduce, a position in red_order or a token (one atomicAdd
  *                    per token, by any warp)
+ *   MOK_FC_COMM      expert parallel: the next dispatch unit (one atomicAdd per unit and CTA)
  *   MOK_FC_GU + j    GATE_UP tiles of routed row tile j (tile_pre numbering), j < R/128 + E
  *   mok_fc_sgu + m   SHARED_GATE_UP tiles of token tile m, m < ceil(T_max / 128)
  *   mok_fc_sd + m    SHARED_DOWN tiles of token tile m
  *   mok_fc_dn + e    DOWN tiles of expert e, e < E (when it does) */
-enum { MOK_FC_DOWN = 0, MOK_FC_ABORT = 2, MOK_FC_TICKET = 3, MOK_FC_CLAIM = 4, MOK_FC_GU = 32,
+enum { MOK_FC_DOWN = 0, MOK_FC_ABORT = 2, MOK_FC_TICKET = 3, MOK_FC_CLAIM = 4, MOK_FC_COMM = 5,
+       MOK_FC_GU = 32,
        MOK_FC_TILE_M = 128 };
 MOK_WS_FN int64_t mok_fc_sgu(int64_t R, int64_t E) { return MOK_FC_GU + R / MOK_FC_TILE_M + E; }
 MOK_WS_FN int64_t mok_fc_token_tiles(int64_t T_max) {

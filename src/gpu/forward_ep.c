@@ -8,7 +8,9 @@
  *              slot) order, unpadded
  *   prep       status, the local layout (offsets of this rank's EL experts), own rows' weights
  *   dispatch   the transport's: each token crosses NVLink once per rank that holds any of its
- *              experts, with its rows' router weights and positions; waits for every source
+ *              experts, with its rows' router weights and positions; BF16: by the first CTAs of
+ *              the fused kernel below, whose gate/up tiles wait for their rows' source ranks;
+ *              else a kernel of its own, which waits for every source
  *   experts    BF16: the W = 1 fused persistent kernel (forward/fused.cu) on this rank's experts
  *              and its shared expert, gathering each row into its gate/up tiles from the
  *              received tokens or x, without its REDUCE (ep_forward_fused);
@@ -34,11 +36,11 @@
 
 #include "cuda/forward/forward.h"
 
-/* BF16: this rank's experts and shared expert in the fused persistent kernel of the W = 1
- * forward, after the dispatch (p: its params). GATE_UP gathers each row from the received tokens
- * or from x through the row's source (row_src, written by the dispatch), so there is no gather
- * pass; the kernel stops before REDUCE, which comes after the combine. Same tiles as the chain,
- * so the same bits. */
+/* BF16: the dispatch and this rank's experts and shared expert in the fused persistent kernel of
+ * the W = 1 forward (p: the dispatch's params). The kernel dispatches first (forward/fused_ep.cuh);
+ * GATE_UP waits for its rows' source ranks and gathers each row from the received tokens or from
+ * x through the row's source (row_src), so there is no gather pass; the kernel stops before
+ * REDUCE, which comes after the combine. Same tiles as the chain, so the same bits. */
 static mokResult_t ep_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
                                     const mok_tp_params_t *p, char *ctx, void *stream) {
   const mok_ws_layout_t *lay = &l->gpu->lay;
@@ -76,8 +78,18 @@ static mokResult_t ep_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
   f.gs_out = save && shared ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
   f.us_out = save && shared ? ctx + lay->ctx[MOK_CTX_US] : NULL;
   f.num_sms = l->tuning.forward_sms;
+  if (l->comm->vgroup) {
+    /* Virtual ranks: every rank's kernel resident at once (fused_ep.cuh's NOTE), so at most
+     * (SMs - W) / W CTAs each. */
+    const int W = l->comm->nranks;
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, l->comm->device);
+    const int fit = (sms - W) / W > 1 ? (sms - W) / W : 1;
+    if (f.num_sms <= 0 || f.num_sms > fit) f.num_sms = fit;
+  }
   f.tuning = &l->tuning;
   f.recv_x = p->peer[p->rank] + p->win.recv_x;
+  f.dispatch = p;
   const mokResult_t r = mok_fwd_fused_launch(&f, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }
@@ -124,10 +136,10 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   if ((r = mok_transport_params(g->tp, MOK_TP_DISPATCH, stream, &p)) != MOK_SUCCESS)
     return mok_gpu_launcher_failed(l, r);
   EP_FILL(p);
-  if ((r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
-    return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");
   const int fused = l->d.precision == MOK_PRECISION_BF16 &&
                     l->tuning.forward_path != MOK_FORWARD_CHAIN;
+  if (!fused && (r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
+    return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");
   if (!fused && (r = mok_ep_gather_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the expert-parallel gather failed to launch");
 

@@ -112,9 +112,10 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
     if (res == MOK_SUCCESS) res = mok_transport_create(&g->tp, l->comm, &td);
     /* Every kernel of the forward loaded now: a first launch that loads it may wait for the
      * kernels running, which wait for the other ranks' calls. */
-    if (res == MOK_SUCCESS && (mok_ep_preload() != MOK_SUCCESS || mok_gg_preload() != MOK_SUCCESS ||
-                               mok_gw_preload() != MOK_SUCCESS || mok_bwd_preload() != MOK_SUCCESS ||
-                               mok_quant_preload() != MOK_SUCCESS))
+    if (res == MOK_SUCCESS &&
+        (mok_ep_preload() != MOK_SUCCESS || mok_fwd_fused_preload() != MOK_SUCCESS ||
+         mok_gg_preload() != MOK_SUCCESS || mok_gw_preload() != MOK_SUCCESS ||
+         mok_bwd_preload() != MOK_SUCCESS || mok_quant_preload() != MOK_SUCCESS))
       res = mok_fail(NULL, MOK_ERROR_CUDA, "mok_layer_create: loading the kernels failed");
   }
   cudaSetDevice(prev);

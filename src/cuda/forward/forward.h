@@ -14,6 +14,7 @@
 #include "common/limits.h"
 #include "common/status.h"
 #include "common/tuning.h"
+#include "cuda/comm/comm.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -108,6 +109,10 @@ typedef struct {
                                  caller; the kernel runs every tile task but no REDUCE (y is not
                                  written: the combine brings the rows home first), even with T =
                                  0 (other ranks' rows). NULL at W = 1 */
+  const mok_tp_params_t *dispatch; /* expert parallel: the transport's params of this call's
+                                 dispatch (mok_transport_params with MOK_TP_DISPATCH, the layer's
+                                 fields filled), which the kernel then runs itself first
+                                 (forward/fused_ep.cuh); NULL: the dispatch kernel ran before */
 } mok_fwd_fused_params_t;
 
 /* MOK_ERROR_NULL_POINTER / INVALID_SHAPE / MISALIGNED on bad arguments, MOK_ERROR_CUDA when the
@@ -118,6 +123,9 @@ mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, void *stream);
 
 /* The fused kernel's fault record (src/common/status.h; as mok_gg_fault_take). */
 int mok_fwd_fused_fault_take(mok_kernel_fault_t *out);
+/* Loads the fused kernel now, not at its first launch (comm.h, mok_ep_preload: an expert-parallel
+ * layer's create). */
+mokResult_t mok_fwd_fused_preload(void);
 
 
 #ifdef __cplusplus

@@ -75,6 +75,7 @@
 
 #include "common/task_plan.h"
 #include "cuda/forward/fused_consumer.cuh"
+#include "cuda/forward/fused_ep.cuh"
 #include "cuda/forward/fused_params.cuh"
 #include "cuda/forward/fused_producer.cuh"
 #include "cuda/forward/fused_reduce.cuh"
@@ -84,11 +85,22 @@
 #error "MoK's forward kernels target sm_90a (Hopper) and newer"
 #endif
 
+// This thread's rows' router weights (epi_row_scales), read at L2: under expert parallelism
+// other GPUs wrote those of their tokens' rows during this launch (fused_ep.cuh).
+__device__ __forceinline__ float2 fk_row_scales(const float *row_w, epi_coords_t e) {
+  float2 w = make_float2(1.0f, 1.0f);
+  if (e.row < e.row_end) w.x = __ldcg(row_w + e.row);
+  if (e.row + 8 < e.row_end) w.y = __ldcg(row_w + e.row + 8);
+  return w;
+}
+
 template <int STAGED>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     fk_forward_kernel(const __grid_constant__ fk_params_t p, const __grid_constant__ fk_maps_t m) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (*(volatile int32_t *)p.status == 0) return;  // invalid routing: the call computes nothing
+  // Invalid routing: the call computes nothing (expert parallel: it still signals its dispatch).
+  const bool valid = *(volatile int32_t *)p.status != 0;
+  if (!valid && p.n_comm == 0) return;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
   uint64_t *full = (uint64_t *)(smem + fk_cfg<STAGED>::P::FULL_OFFSET);
@@ -127,9 +139,14 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     q.shared_band = p.shared_band;
     q.no_reduce = p.no_reduce;
     s_plan = q;
-    s_num_tasks = mok_plan_num_tasks(&q);
+    s_num_tasks = valid ? mok_plan_num_tasks(&q) : 0;
   }
+  // Expert parallel: this call's dispatch epoch, then the dispatch units (fused_ep.cuh), by the
+  // whole CTA before the roles and their register split.
+  __shared__ uint64_t s_epoch;
+  if (threadIdx.x == 0) s_epoch = fk_dispatch_epoch(p);
   __syncthreads();
+  if (p.n_comm > 0) fk_dispatch(p, s_epoch);
   const mok_task_plan_t &plan = s_plan;
   const int64_t num_tasks = s_num_tasks;
 
@@ -163,6 +180,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                                                     : gather_end;
     int gwarps = 4;
     bool reduce = false;  // this thread's warp reduces after the loop (fk_reduce_claims)
+    uint32_t arrived = 1u << p.tp.rank;  // expert parallel (thread 0): ranks whose rows are here
     for (uint32_t k = 0;; k++) {  // k: this CTA's task count (s_ticket's buffer)
       if (lt == 0) s_ticket[k & 1] = (int64_t)atomicAdd(p.counters + MOK_FC_TICKET, 1u);
       __syncwarp();
@@ -194,6 +212,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       if (d.wait >= 0 && lt == 0) {
         fk_wait(p, d.wait, d.wait_target, i);
         ptx_fence_proxy_async_global();  // a was stored by other SMs' generic stores
+      }
+      if (p.n_comm > 0 && t.kind == MOK_TASK_GATE_UP) {  // rows of other ranks: their dispatch
+        const int64_t e0 = s_off[t.expert];
+        const int64_t end = d.row0 + FK_BM < d.row_end ? d.row0 + FK_BM : d.row_end;
+        if (lt == 0) fk_wait_sources(p, t.expert, d.row0 - e0, end - e0, s_epoch, &arrived);
+        ptx_named_barrier_sync(MOK_BAR_FUSED_TICKET, 32 * gwarps);  // the gathers after it
       }
       fk_produce(p, d, &ring, smem, full, empty, s_tag, s_task, i, t, lt, gwarps);
     }
@@ -240,7 +264,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         const int64_t row_end = routed ? s_off[t.expert + 1] : p.T;
         float2 w = make_float2(1.0f, 1.0f);
         if (t.kind == MOK_TASK_GATE_UP)  // loaded before the mainloop: latency hides behind it
-          w = epi_row_scales(p.row_w, epi_coords(row0, row_end, 0, 0, 0, cw));
+          w = fk_row_scales(p.row_w, epi_coords(row0, row_end, 0, 0, 0, cw));
         const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? p.H
                           : t.kind == MOK_TASK_DOWN                                     ? p.I
                                                                                         : p.Is;
@@ -263,6 +287,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     }
     fk_skip(&ring, empty);
   }
+  if (p.n_comm > 0) tp_epoch_end(p.tp, TP_EPOCH_DISPATCH, s_epoch);  // every thread
 #endif
 }
 
@@ -273,3 +298,13 @@ size_t fk_smem_bytes(int staged, int64_t E) {
 }
 
 extern "C" int mok_fwd_fused_fault_take(mok_kernel_fault_t *out) { return ptx_fault_take(out); }
+
+extern "C" mokResult_t mok_fwd_fused_preload(void) {
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, fk_forward_kernel<0>) != cudaSuccess ||
+      cudaFuncGetAttributes(&a, fk_forward_kernel<1>) != cudaSuccess) {
+    cudaGetLastError();
+    return MOK_ERROR_CUDA;
+  }
+  return MOK_SUCCESS;
+}

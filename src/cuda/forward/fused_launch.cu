@@ -114,6 +114,14 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
   kp.slot_row = l->slot_row, kp.row_w = l->row_w, kp.row_tok = l->row_tok;
   kp.recv_x = p->recv_x;
   kp.no_reduce = p->recv_x != NULL;
+  if (p->dispatch) {
+    if (!p->recv_x || p->dispatch->num_ctas < 1 || p->dispatch->nranks > MOK_MAX_RANKS ||
+        p->dispatch->EL != E)
+      return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "fused forward launch: a dispatch without "
+                      "expert-parallel rows, or of another layout");
+    kp.tp = *p->dispatch;
+    kp.n_comm = p->dispatch->num_ctas;
+  }
   kp.red_pre = l->red_pre, kp.red_order = l->red_order;
   kp.counters = l->counters, kp.err = l->err;
   kp.yk = (void *)l->yk, kp.ys = (float *)l->ys;

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "common/workspace.h"
+#include "cuda/comm/comm.h"
 #include "cuda/tile/barriers.cuh"
 #include "cuda/tile/pipeline.cuh"
 enum { FK_BM = MOK_FC_TILE_M, FK_BN = 256, FK_STAGES = 4 };
@@ -90,7 +91,11 @@ typedef struct {
                                 // before the last GATE_UP task)
   int32_t no_reduce;            // 1: the order ends before REDUCE (expert parallel: the combine
                                 // brings the tokens' rows home, then a kernel reduces)
+  int32_t n_comm;               // expert parallel: dispatch units at the start of the kernel
+                                // (forward/fused_ep.cuh), = the transport's CTA count; 0: none
+  mok_tp_params_t tp;           // expert parallel: the transport's params of the call's dispatch
 } fk_params_t;
+static_assert(sizeof(fk_params_t) + sizeof(fk_maps_t) <= 4096, "a kernel's parameters");
 
 // The kernel of a configuration (STAGED = 1: outputs through the staging buffers) and its dynamic
 // shared memory for E local experts.
