@@ -8,8 +8,8 @@ on its own stream, all enqueued from this thread. The W ranks share the SMs, so 
 faster than W = 1: the ratio to W = 1 measures the overhead of expert parallelism (the transport's
 layout, dispatch and combine and the reduce as kernels of their own beside each rank's fused
 kernel, src/gpu/forward_ep.c, more and smaller launches; fp8-block runs a kernel chain; w1_chain_ms
-is W = 1's own chain, timed in the same run, for comparison), not scaling. Several GPUs (NCCL_NVLS_ENABLE=0 torchrun
---nproc-per-node=W bench/ep.py): W real ranks, one per GPU, over Comm.from_process_group; each
+is W = 1's own chain, timed in the same run, for comparison), not scaling. Several GPUs
+(NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node=W bench/ep.py): W real ranks, one per GPU, over Comm.from_process_group; each
 rank also runs the W = 1 layer on all tokens on its own GPU, as the reference and the ratio's
 denominator.
 
@@ -27,7 +27,10 @@ the timing is interleaved with a fixed number of launches (--reps), since blocke
 its blocks by each rank's own clock and every rank must make the same calls; the time is the
 slowest rank's. FLOPs over all tokens, as forward.py counts them: 6 T K H I + 6 T H Is (3x for
 forward + backward). Printed and in the rows: ms, TF/s, vs_w1 = W = 1's ms / this ms (1: as
-fast as W = 1; below 1: slower) and, for the forward, vs_w1_chain = W = 1's chain ms / this ms.
+fast as W = 1; below 1: slower) and, for the forward, vs_w1_chain = W = 1's chain ms / this ms;
+with virtual ranks (BF16) also the forward with the dispatch inside each rank's fused kernel,
+each rank's kernel on (SMs - W) / W CTAs as that needs (dispatch_in_kernel_ms, its vs_w1, its
+bits checked against W = 1's).
 Appends one JSON object per (model, W, forward or forward + backward) to --jsonl (default
 bench/results/ep.jsonl), with the commit; a W that was skipped gets one row with the reason.
 
@@ -184,6 +187,13 @@ class Team:
         for layer in self.layers:
             layer.check()
 
+    def tune(self, tuning):
+        """Sets `tuning` ({field: value}, mok_bench_layer_tune) on every rank's layer."""
+        for layer in self.layers:
+            for field, value in tuning.items():
+                mok._lib.check(layer._lib.mok_bench_layer_tune(layer._layer, field.encode(),
+                                                                value))
+
     def close(self):
         for layer in self.layers:
             layer.close()
@@ -289,6 +299,24 @@ def run_w(p, out, W, ref, args, d, comms=None):
                 fwd.update(w1_chain_ms=ref["chain_ms"], vs_w1_chain=ref["chain_ms"] / ms)
         if chain:
             chain.close()
+        if virtual and W > 1 and args.precision == "bf16" and not fwd.get("wrong"):
+            # The dispatch inside each rank's fused kernel, which virtual ranks run only with
+            # (SMs - W) / W CTAs each (src/gpu/forward_ep.c, ep_dispatch_in_kernel): checked
+            # and timed in the same run, then the default again.
+            sms = (torch.cuda.get_device_properties(p.dev).multi_processor_count - W) // W
+            team.tune({"forward_sms": sms})
+            out.poison()
+            team.forward()
+            team.check()
+            same_ik = bits_equal(out.y[mine], ref["y"][mine])
+            ms = time_ms([team.forward], args.warmup, args.reps, args.rounds)[0]
+            team.check()
+            team.tune({"forward_sms": 0})
+            fwd.update(dispatch_in_kernel_sms=sms, dispatch_in_kernel_equals_w1=same_ik,
+                       dispatch_in_kernel_ms=ms, vs_w1_dispatch_in_kernel=ref["fwd_ms"] / ms)
+            if not same_ik:
+                fwd["wrong"] = True
+                d.say(f"{fwd['case']}: WRONG with the dispatch in the fused kernel")
         if not step.get("wrong"):
             ms = d.all(time_ms([team.step], args.warmup, args.reps, args.rounds)[0], "max")
             team.check()
@@ -374,7 +402,8 @@ def main():
             ap.error(f"--tokens {args.tokens} is not a multiple of W = {W}")
     declare_tuning()  # the W = 1 chain is a tuned layer (bench/driver)
     d.say(f"{'case':28s} {'T/rank':>6s} {'fwd ms':>8s} {'TF/s':>5s} {'vs W=1':>6s} "
-          f"{'vs chain':>8s} {'f+b ms':>8s} {'TF/s':>5s} {'vs W=1':>6s}  same bits as W = 1")
+          f"{'vs chain':>8s} {'in-kernel dispatch':>18s} {'f+b ms':>8s} {'TF/s':>5s} "
+          f"{'vs W=1':>6s}  same bits as W = 1")
     rows = []
     for model in MODELS:
         if not case_selected(model, args.cases):
@@ -391,7 +420,10 @@ def main():
         for f, b in (e for e in entries if len(e) == 2):
             d.say(f"{f['case']:28s} {f['tokens_per_rank']:6d} {f.get('mok_ms', nan):8.3f} "
                   f"{f.get('tflops', nan):5.0f} {f.get('vs_w1', nan):6.2f} "
-                  f"{f.get('vs_w1_chain', nan):8.2f} {b.get('mok_ms', nan):8.3f} "
+                  f"{f.get('vs_w1_chain', nan):8.2f} "
+                  f"{f.get('dispatch_in_kernel_ms', nan):9.3f} ms "
+                  f"{f.get('vs_w1_dispatch_in_kernel', nan):4.2f}x "
+                  f"{b.get('mok_ms', nan):8.3f} "
                   f"{b.get('tflops', nan):5.0f} {b.get('vs_w1', nan):6.2f}  "
                   f"{'yes' if not f.get('wrong') and not b.get('wrong') else 'NO'}")
         torch.cuda.empty_cache()

@@ -23,9 +23,9 @@
  *   reduce     y = bf16(ys + Σ_k yk) in slot order
  *
  * The context: its header (by prep, valid only when the call is), this rank's offsets, and in
- * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). The dispatch and
- * the combine are not inside the persistent kernel yet. Counters advance by host-side call numbers (epochs), so a forward
- * captured in a CUDA graph must not be replayed.
+ * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). The combine is not
+ * inside the persistent kernel yet. The transport counts its calls (epochs) on the device, so a
+ * forward captured in a CUDA graph can be replayed (tests/gpu/test_ep.cu).
  */
 #include <string.h>
 
@@ -36,13 +36,31 @@
 
 #include "cuda/forward/forward.h"
 
+/* Whether the fused forward runs the dispatch itself (forward/fused_ep.cuh). Its tiles then wait
+ * for other ranks' kernels, so every rank's kernel must be resident at once: always so for ranks
+ * on GPUs of their own; virtual ranks share one GPU, so only when each rank's kernel has at most
+ * (SMs - W) / W CTAs (the tuning's forward_sms). With the default (all SMs), virtual ranks use
+ * the dispatch kernel, whose CTAs fit beside each other, and full-GPU fused kernels: on one GPU
+ * the dispatch is a device-local copy and the partition costs more than its overlap gains
+ * (docs/performance.md, "Expert parallelism"). */
+static int ep_dispatch_in_kernel(mok_layer_t l) {
+  if (!l->comm->vgroup) return 1;
+  int sms = 0;
+  if (l->tuning.forward_sms <= 0 ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, l->comm->device) != cudaSuccess)
+    return 0;
+  const int W = l->comm->nranks;
+  return (int64_t)l->tuning.forward_sms * W + W <= sms;
+}
+
 /* BF16: the dispatch and this rank's experts and shared expert in the fused persistent kernel of
  * the W = 1 forward (p: the dispatch's params). The kernel dispatches first (forward/fused_ep.cuh);
  * GATE_UP waits for its rows' source ranks and gathers each row from the received tokens or from
  * x through the row's source (row_src), so there is no gather pass; the kernel stops before
  * REDUCE, which comes after the combine. Same tiles as the chain, so the same bits. */
 static mokResult_t ep_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
-                                    const mok_tp_params_t *p, char *ctx, void *stream) {
+                                    const mok_tp_params_t *p, int dispatch, char *ctx,
+                                    void *stream) {
   const mok_ws_layout_t *lay = &l->gpu->lay;
   const int64_t Is = l->d.shared_intermediate, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = Is > 0;
@@ -78,18 +96,9 @@ static mokResult_t ep_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
   f.gs_out = save && shared ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
   f.us_out = save && shared ? ctx + lay->ctx[MOK_CTX_US] : NULL;
   f.num_sms = l->tuning.forward_sms;
-  if (l->comm->vgroup) {
-    /* Virtual ranks: every rank's kernel resident at once (fused_ep.cuh's NOTE), so at most
-     * (SMs - W) / W CTAs each. */
-    const int W = l->comm->nranks;
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, l->comm->device);
-    const int fit = (sms - W) / W > 1 ? (sms - W) / W : 1;
-    if (f.num_sms <= 0 || f.num_sms > fit) f.num_sms = fit;
-  }
   f.tuning = &l->tuning;
   f.recv_x = p->peer[p->rank] + p->win.recv_x;
-  f.dispatch = p;
+  f.dispatch = dispatch ? p : NULL;
   const mokResult_t r = mok_fwd_fused_launch(&f, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }
@@ -138,7 +147,8 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   EP_FILL(p);
   const int fused = l->d.precision == MOK_PRECISION_BF16 &&
                     l->tuning.forward_path != MOK_FORWARD_CHAIN;
-  if (!fused && (r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
+  const int in_kernel = fused && ep_dispatch_in_kernel(l);
+  if (!in_kernel && (r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");
   if (!fused && (r = mok_ep_gather_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the expert-parallel gather failed to launch");
@@ -147,7 +157,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
    * GEMMs over the gathered rows (fp8-block, or the chain the tuning asks for). */
   const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
   if (fused) {
-    if ((r = ep_forward_fused(l, a, &p, ctx, stream)) != MOK_SUCCESS) return r;
+    if ((r = ep_forward_fused(l, a, &p, in_kernel, ctx, stream)) != MOK_SUCCESS) return r;
   } else if (l->d.precision == MOK_PRECISION_FP8_BLOCK) {
     /* the arrived bf16 rows quantized per row: the bytes W = 1 copies from each token's once */
     if ((r = mok_gpu_fp8_rows(l, NULL, a->x, p.xg, p.offsets, T, stream)) != MOK_SUCCESS) return r;

@@ -231,10 +231,28 @@ static int ep_same_as_w1(ep_team_t *t, const std::vector<uint16_t> &ref, const i
   return ok;
 }
 
-// One EP-invariance case: W ranks with tokens T[0..W-1] (rank order) of p, each rank's experts in
-// the fused kernel or (path MOK_FORWARD_CHAIN) the chain of grouped GEMMs.
-static int ep_case_path(const fwd_problem_t *p, int W, const int64_t *T, const char *what,
-                        mok_forward_path_t path) {
+// How a rank runs its experts (src/gpu/forward_ep.c): the fused kernel after the dispatch kernel
+// (the default on virtual ranks), the fused kernel dispatching itself (every rank's kernel on
+// (SMs - W) / W CTAs, as virtual ranks need for it), or the chain of grouped GEMMs.
+typedef enum { EP_FUSED, EP_FUSED_DISPATCH, EP_CHAIN } ep_mode_t;
+
+// Sets every rank's tuning for `mode`; 0 on failure.
+static int ep_set_mode(ep_team_t *t, ep_mode_t mode) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  for (int r = 0; r < t->W; r++) {
+    mok_tuning_t tu;
+    if (mok_layer_tuning(t->l[r], &tu) != MOK_SUCCESS) return 0;
+    tu.forward_path = mode == EP_CHAIN ? MOK_FORWARD_CHAIN : MOK_FORWARD_FUSED;
+    tu.forward_sms = mode == EP_FUSED_DISPATCH ? (sms - t->W) / t->W : 0;
+    if (mok_layer_set_tuning(t->l[r], &tu) != MOK_SUCCESS) return 0;
+  }
+  return 1;
+}
+
+// One EP-invariance case: W ranks with tokens T[0..W-1] (rank order) of p, run as `mode` says.
+static int ep_case_mode(const fwd_problem_t *p, int W, const int64_t *T, const char *what,
+                        ep_mode_t mode) {
   int64_t total = 0, T_max = 1;
   for (int r = 0; r < W; r++) total += T[r], T_max = T[r] > T_max ? T[r] : T_max;
   const std::vector<uint16_t> ref = ep_reference_y(p, total);
@@ -247,12 +265,11 @@ static int ep_case_path(const fwd_problem_t *p, int W, const int64_t *T, const c
     MOK_EXPECT_MSG(0, "%s: the ranks' layers could not be created", what);
     return 0;
   }
-  for (int r = 0; r < W; r++)
-    if (test_set_forward_path(t.l[r], path) != MOK_SUCCESS) {
-      MOK_EXPECT_MSG(0, "%s: rank %d: forward path: %s", what, r, mok_last_error());
-      ep_close(&t);
-      return 0;
-    }
+  if (!ep_set_mode(&t, mode)) {
+    MOK_EXPECT_MSG(0, "%s: setting the ranks' tuning: %s", what, mok_last_error());
+    ep_close(&t);
+    return 0;
+  }
   ep_inputs(&t, p, T);
   mokResult_t res[EP_MAX_W], chk[EP_MAX_W];
   char msg[EP_MAX_W][MOK_ERR_LEN];
@@ -272,7 +289,15 @@ static int ep_case_path(const fwd_problem_t *p, int W, const int64_t *T, const c
 }
 
 static int ep_case(const fwd_problem_t *p, int W, const int64_t *T, const char *what) {
-  return ep_case_path(p, W, T, what, MOK_FORWARD_FUSED);
+  return ep_case_mode(p, W, T, what, EP_FUSED);
+}
+
+// The case with the dispatch kernel, then with the dispatch inside the fused kernel.
+static void ep_case_both(const fwd_problem_t *p, int W, const int64_t *T, const char *what) {
+  char in_kernel[160];
+  snprintf(in_kernel, sizeof(in_kernel), "%s, the dispatch in the fused kernel", what);
+  ep_case_mode(p, W, T, what, EP_FUSED);
+  ep_case_mode(p, W, T, in_kernel, EP_FUSED_DISPATCH);
 }
 
 static void ep_problem(fwd_problem_t *p, int64_t Is, int64_t T, test_route_t route) {
@@ -288,11 +313,16 @@ MOK_TEST(ep_forward_two_ranks_equal_one) {
   ep_case(&p, 2, even, "W = 2, 150 + 150 tokens");
   ep_case(&p, 2, uneven, "W = 2, 211 + 89 tokens");
   ep_case(&p, 2, zero, "W = 2, rank 0 without tokens");
-  ep_case_path(&p, 2, uneven, "W = 2, the experts' kernel chain", MOK_FORWARD_CHAIN);
+  ep_case_mode(&p, 2, uneven, "W = 2, the experts' kernel chain", EP_CHAIN);
+  ep_case_mode(&p, 2, uneven, "W = 2, the dispatch in the fused kernel", EP_FUSED_DISPATCH);
+  ep_case_mode(&p, 2, zero, "W = 2, the dispatch in the fused kernel, rank 0 without tokens",
+               EP_FUSED_DISPATCH);
   ep_problem(&p, 0, 300, test_route_uniform(0.3));
   ep_case(&p, 2, uneven, "W = 2, no shared expert, 30% empty slots");
-  ep_case_path(&p, 2, zero, "W = 2, the chain, no shared expert, rank 0 without tokens",
-               MOK_FORWARD_CHAIN);
+  ep_case_mode(&p, 2, zero, "W = 2, the chain, no shared expert, rank 0 without tokens",
+               EP_CHAIN);
+  ep_case_mode(&p, 2, uneven, "W = 2, the dispatch in the fused kernel, no shared expert",
+               EP_FUSED_DISPATCH);
 }
 
 MOK_TEST(ep_forward_four_ranks_equal_one) {
@@ -300,19 +330,19 @@ MOK_TEST(ep_forward_four_ranks_equal_one) {
   fwd_problem_t p;
   ep_problem(&p, 128, 400, test_route_uniform(0.1));
   const int64_t T[4] = {130, 0, 211, 59};
-  ep_case(&p, 4, T, "W = 4, 130 + 0 + 211 + 59 tokens");
+  ep_case_both(&p, 4, T, "W = 4, 130 + 0 + 211 + 59 tokens");
   const test_route_t hot = {0.0, 0, 13}; // slot 0 of every token on rank 3's expert 13
   ep_problem(&p, 0, 400, hot);
-  ep_case(&p, 4, T, "W = 4, a hot expert");
+  ep_case_both(&p, 4, T, "W = 4, a hot expert");
   const test_route_t unused = {0.0, 0x0F0Full, -1}; // experts 0-3 and 8-11: ranks 0, 2 get none
   ep_problem(&p, 128, 400, unused);
-  ep_case(&p, 4, T, "W = 4, ranks 0 and 2 hold no used expert");
+  ep_case_both(&p, 4, T, "W = 4, ranks 0 and 2 hold no used expert");
   const test_route_t one_rank = {0.0, 0x00FFull, -1}; // W = 2: every row on rank 1's experts
   ep_problem(&p, 128, 400, one_rank);
   const int64_t T2[2] = {250, 150};
-  ep_case(&p, 2, T2, "W = 2, every token on rank 1's experts");
+  ep_case_both(&p, 2, T2, "W = 2, every token on rank 1's experts");
   ep_problem(&p, 128, 400, test_route_uniform(1.0));
-  ep_case(&p, 4, T, "W = 4, every slot empty (y = the shared expert)");
+  ep_case_both(&p, 4, T, "W = 4, every slot empty (y = the shared expert)");
 }
 
 // Many calls on the same team with new routing and token counts each time: every call equals W = 1.
@@ -332,11 +362,14 @@ MOK_TEST(ep_forward_many_calls) {
     const int64_t T[2] = {(int64_t)test_rng_below(&rng, 257), (int64_t)test_rng_below(&rng, 257)};
     const std::vector<uint16_t> ref = ep_reference_y(&p, T[0] + T[1]);
     ep_inputs(&t, &p, T);
+    // the dispatch kernel and the dispatch inside the fused kernel in turn, on the same counters
+    MOK_REQUIRE(ep_set_mode(&t, n % 2 ? EP_FUSED_DISPATCH : EP_FUSED));
     mokResult_t res[2], chk[2];
     ep_forward(&t, T, res, -1);
     ep_check(&t, chk, NULL);
-    char what[64];
-    snprintf(what, sizeof(what), "call %d (%lld + %lld tokens)", n, (long long)T[0], (long long)T[1]);
+    char what[80];
+    snprintf(what, sizeof(what), "call %d (%lld + %lld tokens, %s)", n, (long long)T[0],
+             (long long)T[1], n % 2 ? "dispatch in the fused kernel" : "dispatch kernel");
     good += res[0] == MOK_SUCCESS && res[1] == MOK_SUCCESS && chk[0] == MOK_SUCCESS &&
             chk[1] == MOK_SUCCESS && ep_same_as_w1(&t, ref, T, what);
   }
@@ -684,13 +717,13 @@ MOK_TEST(ep_backward_context_mismatch_on_one_rank) {
 // Each rank's forward + backward captured in a CUDA graph of its own (as each process of W GPUs
 // would), then replayed with new routing in the same buffers: every replay gives the W = 1 layer's
 // y, dx and routed weight gradients (the call numbers live on the device, so replays count).
-MOK_TEST(ep_cuda_graph_replays_with_new_routing) {
-  NEED_GPU();
+static void ep_graph_case(ep_mode_t mode) {
   bwd_problem_t p;
   ep_bwd_problem(&p, 128, 200, test_route_uniform(0.1));
   const int64_t T[2] = {120, 80};
   ep_team_t t;
   MOK_REQUIRE(ep_open_backward(&t, &p, 2, 128));
+  MOK_REQUIRE(ep_set_mode(&t, mode));
   ep_inputs(&t, &p.f, T);
   ep_backward_inputs(&t, &p, T);
   cudaGraphExec_t exec[2] = {NULL, NULL};
@@ -748,6 +781,12 @@ MOK_TEST(ep_cuda_graph_replays_with_new_routing) {
   }
   for (int r = 0; r < 2; r++) cudaGraphExecDestroy(exec[r]);
   ep_close(&t);
+}
+
+MOK_TEST(ep_cuda_graph_replays_with_new_routing) {
+  NEED_GPU();
+  ep_graph_case(EP_FUSED);
+  ep_graph_case(EP_FUSED_DISPATCH);
 }
 
 // Wide routing and many ranks: K = 40 > 31 (the dispatch's and combine's second group of slots),

@@ -23,8 +23,9 @@
  * before any task, so a rank's dispatch completes as soon as one CTA of its kernel runs; every
  * other wait is the W = 1 kernel's. On real GPUs each rank's kernel has its own GPU. Virtual
  * ranks share one: rank r's CTAs spin on rank s's dispatch while holding SMs, so s's kernel must
- * find an SM; src/gpu/forward_ep.c gives each virtual rank's kernel at most (SMs - W) / W CTAs,
- * so all W kernels and the other ranks' one-CTA layout and prep kernels fit at once.
+ * find an SM; src/gpu/forward_ep.c (ep_dispatch_in_kernel) lets a virtual rank's kernel
+ * dispatch only with at most (SMs - W) / W CTAs, so that all W kernels and the other ranks'
+ * layout and prep kernels fit at once.
  * A wait that times out records MOK_ERROR_TIMEOUT in the transport's error word (rank, counter
  * MOK_TP_WAIT_DISPATCH, the source rank, value and target; mok_layer_check reports it) and raises
  * MOK_FC_ABORT: the kernel then runs to its end with wrong results instead of hanging.
