@@ -17,8 +17,10 @@
  *              the chain (tuning forward_path = MOK_FORWARD_CHAIN, the fused kernel's oracle, and
  *              fp8-block): gather xg = the rows of this rank's experts, then the W = 1 chain's
  *              grouped GEMMs (gate/up with SwiGLU and the router weight, down -> yk; the shared
- *              expert on this rank's tokens -> ys); fp8-block: the rows and x quantized per row,
- *              then the W = 1 fp8 GEMMs (mok_gpu_forward_fp8_experts; rows cross NVLink in bf16)
+ *              expert on this rank's tokens -> ys); fp8-block: x quantized once per token
+ *              before the dispatch, which sends each token's e4m3 row and scales; the fp8
+ *              gather copies them into expert order, then the W = 1 fp8 GEMMs
+ *              (mok_gpu_forward_fp8_experts)
  *   combine    yk rows of other ranks' tokens to their home ranks; waits for every expert rank
  *   reduce     y = bf16(ys + Σ_k yk) in slot order
  *
@@ -145,12 +147,29 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   if ((r = mok_transport_params(g->tp, MOK_TP_DISPATCH, stream, &p)) != MOK_SUCCESS)
     return mok_gpu_launcher_failed(l, r);
   EP_FILL(p);
+  const int fp8 = l->d.precision == MOK_PRECISION_FP8_BLOCK;
   const int fused = l->d.precision == MOK_PRECISION_BF16 &&
                     l->tuning.forward_path != MOK_FORWARD_CHAIN;
   const int in_kernel = fused && ep_dispatch_in_kernel(l);
+  const int64_t T4 = mok_ws_ld4(l->d.max_tokens), R4 = mok_ws_ld4(R);
+  if (fp8) {
+    /* fp8-block rows on the wire: x quantized once per token (as at W = 1; the shared expert's
+     * A too), each token's e4m3 row and scales dispatched (about half of x's bf16 bytes) */
+    if (T > 0 && (r = mok_gpu_quantize_rows(l, a->x, T, H, mok_gpu_ws(l, MOK_WS_XQT),
+                                            mok_gpu_ws(l, MOK_WS_XQT_S), T4, NULL, stream)) !=
+                     MOK_SUCCESS)
+      return r;
+    p.xq = mok_gpu_ws(l, MOK_WS_XQT);
+    p.xq_s = (const float *)mok_gpu_ws(l, MOK_WS_XQT_S), p.xq_s_ld = T4;
+  }
   if (!in_kernel && (r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");
-  if (!fused && (r = mok_ep_gather_launch(&p, stream)) != MOK_SUCCESS)
+  if (fp8) /* the e4m3 rows of this rank's experts and their scales, from recv_x or xqt */
+    r = mok_ep_gather_fp8_launch(&p, mok_gpu_ws(l, MOK_WS_XQ), (float *)mok_gpu_ws(l, MOK_WS_XQ_S),
+                                 R4, stream);
+  else if (!fused)
+    r = mok_ep_gather_launch(&p, stream);
+  if (r != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the expert-parallel gather failed to launch");
 
   /* This rank's experts over the rows that arrived: the fused kernel, or the W = 1 chain's
@@ -158,9 +177,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
   if (fused) {
     if ((r = ep_forward_fused(l, a, &p, in_kernel, ctx, stream)) != MOK_SUCCESS) return r;
-  } else if (l->d.precision == MOK_PRECISION_FP8_BLOCK) {
-    /* the arrived bf16 rows quantized per row: the bytes W = 1 copies from each token's once */
-    if ((r = mok_gpu_fp8_rows(l, NULL, a->x, p.xg, p.offsets, T, stream)) != MOK_SUCCESS) return r;
+  } else if (fp8) {
     const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w};
     if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   } else {

@@ -190,6 +190,12 @@ typedef struct {
   mok_tp_error_t *err;
   const int32_t *topk_idx;    /* [T, K] (layout) */
   const void *x;              /* [T, H] bf16 (dispatch) */
+  const void *xq;             /* fp8-block layers (dispatch, ep fp8 gather), else NULL: each
+                                 token's e4m3 row [T, H] and its H / 128 fp32 scales
+                                 (xq_s[b * xq_s_ld + t]) cross instead of x's bf16 row; a
+                                 received row is the H bytes, then the scales */
+  const float *xq_s;
+  int64_t xq_s_ld;
   void *y;                    /* [T, H] bf16 (combine) */
   int phases;                 /* MOK_TP_DISPATCH | MOK_TP_COMBINE | MOK_TP_REDUCE (run) */
   /* Expert-parallel layers (src/cuda/comm/ep.cu; NULL / 0 for the standalone transport): */
@@ -246,6 +252,10 @@ mokResult_t mok_ep_preload(void);
 mokResult_t mok_ep_prep_launch(const mok_tp_params_t *p, void *stream);
 /* xg[row] = the token row of each row of this rank's experts (recv_x or x). After dispatch. */
 mokResult_t mok_ep_gather_launch(const mok_tp_params_t *p, void *stream);
+/* fp8-block: rq[row] = the e4m3 row of each row's token and rq_s[b * rs_ld + row] its scales,
+ * from the received rows (a dispatch with p->xq) or this rank's xq. After dispatch. */
+mokResult_t mok_ep_gather_fp8_launch(const mok_tp_params_t *p, void *rq, float *rq_s,
+                                     int64_t rs_ld, void *stream);
 /* The expert outputs yk of the other ranks' tokens to their home ranks' comb, then the waits. */
 mokResult_t mok_ep_combine_launch(const mok_tp_params_t *p, void *stream);
 /* y[t] = bf16(ys[t] + Σ_k yk(t, k)) in slot order, yk from comb or from this rank's yk. */

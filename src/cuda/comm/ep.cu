@@ -9,6 +9,8 @@
  *             (dispatch writes those of the other ranks' tokens into this rank's window)
  *   (dispatch: the transport's kernel, MOK_TP_DISPATCH, with topk_w)
  *   gather    xg[row] = recv_x[src] or x[t], in layout order: the A of the gate/up GEMM
+ *             (fp8-block: the e4m3 rows and scales, from the received rows or this rank's
+ *             quantized x, ep_gather_fp8_kernel)
  *   (the grouped GEMMs of the W = 1 chain on this rank's experts: yk [rows, H]; the shared
  *   expert on this rank's tokens: ys)
  *   combine   yk rows of the other ranks' tokens go home into comb[t, k]; signal, wait
@@ -187,6 +189,35 @@ __global__ void __launch_bounds__(EP_THREADS)
   }
 }
 
+// fp8-block, one warp per row: rq[row] = the e4m3 row of its token, from recv_x (a token of
+// another rank: its H bytes, then its scales) or this rank's xq, and rq_s[b * rs_ld + row] its
+// scales: the bytes the W = 1 layer copies from each token's quantized row.
+__global__ void __launch_bounds__(EP_THREADS)
+    ep_gather_fp8_kernel(const __grid_constant__ mok_tp_params_t p, uint8_t *rq, float *rq_s,
+                         int64_t rs_ld) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = p.offsets[p.EL], H16 = p.H / 16, nb = p.H / 128;
+  const int32_t *row_src = (const int32_t *)(p.peer[p.rank] + p.win.row_src);
+  const char *recv = p.peer[p.rank] + p.win.recv_x;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+  for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
+       r += warps) {
+    const int32_t src = tp_ld_peer_i32(row_src + r);
+    const int64_t t = -(int64_t)src - 1;  // this rank's token, when src < 0
+    uint4 *to = (uint4 *)(rq + r * p.H);
+    if (src >= 0) {
+      const char *from = recv + (int64_t)src * p.H * 2;
+      for (int64_t c = lane; c < H16; c += 32) to[c] = tp_ld_peer_v4(from + c * 16);
+      const float *s = (const float *)(from + p.H);
+      for (int64_t b = lane; b < nb; b += 32) rq_s[b * rs_ld + r] = __ldcg(s + b);
+    } else {
+      const char *from = (const char *)p.xq + t * p.H;
+      for (int64_t c = lane; c < H16; c += 32) to[c] = tp_ld_input_v4(from + c * 16);
+      for (int64_t b = lane; b < nb; b += 32) rq_s[b * rs_ld + r] = p.xq_s[b * p.xq_s_ld + t];
+    }
+  }
+}
+
 // Sends yk of every row of the other ranks' tokens home: received token q (token t of rank s)
 // and each of its slots k on this rank's experts (row >= 0 in its meta): yk[row] -> comb[t, k] in
 // s's window. Rows of this rank's own tokens stay (the reduce reads them in yk). A warp per
@@ -307,6 +338,7 @@ extern "C" mokResult_t mok_ep_preload(void) {
   cudaFuncAttributes a;
   const cudaError_t e[] = {cudaFuncGetAttributes(&a, ep_prep_kernel),
                            cudaFuncGetAttributes(&a, ep_gather_kernel),
+                           cudaFuncGetAttributes(&a, ep_gather_fp8_kernel),
                            cudaFuncGetAttributes(&a, ep_combine_kernel),
                            cudaFuncGetAttributes(&a, ep_reduce_kernel)};
   for (cudaError_t x : e)
@@ -328,6 +360,17 @@ extern "C" mokResult_t mok_ep_prep_launch(const mok_tp_params_t *p, void *stream
 extern "C" mokResult_t mok_ep_gather_launch(const mok_tp_params_t *p, void *stream) {
   if (!p || !p->offsets || !p->xg || (p->T > 0 && !p->x)) return MOK_ERROR_NULL_POINTER;
   ep_gather_kernel<<<ep_blocks(EP_THREADS / 32, p->R), EP_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return ep_launched();
+}
+
+extern "C" mokResult_t mok_ep_gather_fp8_launch(const mok_tp_params_t *p, void *rq, float *rq_s,
+                                                int64_t rs_ld, void *stream) {
+  if (!p || !p->offsets || !rq || !rq_s || (p->T > 0 && (!p->xq || !p->xq_s)))
+    return MOK_ERROR_NULL_POINTER;
+  if (p->H % 128 != 0 || rs_ld < p->R || (p->T > 0 && p->xq_s_ld < p->T))
+    return MOK_ERROR_INVALID_SHAPE;
+  ep_gather_fp8_kernel<<<ep_blocks(EP_THREADS / 32, p->R), EP_THREADS, 0,
+                         (cudaStream_t)stream>>>(*p, (uint8_t *)rq, rq_s, rs_ld);
   return ep_launched();
 }
 

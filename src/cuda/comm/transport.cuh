@@ -20,7 +20,8 @@
  *   disp_ctr  [W] u64             dispatch counters, by source rank
  *   comb_ctr  [W] u64             combine counters, by expert rank
  *   recv_x    [W * T_max, H] bf16 tokens received, in (source rank, token) order; the block of
- *                                 this rank's own tokens is left unwritten
+ *                                 this rank's own tokens is left unwritten (fp8-block layers: each
+ *                                 row the token's H e4m3 bytes, then its H / 128 fp32 scales)
  *   recv_meta [W * T_max, K + 1]  source token index, then this rank's row of each slot or -1
  *                                 (same blocks as recv_x)
  *   comb      [T_max, K, H] bf16  expert rows of this rank's tokens from other ranks' experts,
@@ -275,7 +276,8 @@ __device__ __forceinline__ void tp_put_row_map(const mok_tp_params_t &p, int d, 
 __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint64_t epoch) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;
-  const int64_t K = p.K, H = p.H, chunks = H / 8;  // 16-byte chunks per row
+  // 16-byte chunks per row: bf16 H / 8; fp8-block (p.xq) the H e4m3 bytes, then the scales
+  const int64_t K = p.K, H = p.H, chunks = p.xq ? H / 16 : H / 8;
   const int64_t meta_ints = K + 1;
   const size_t recv = p.recv_x2 ? p.win.recv_x2 : p.win.recv_x;  // a layer's backward: dy
   uint32_t *claim = p.lay.claim + TP_CLAIM_DISPATCH + (epoch & 1);
@@ -292,7 +294,7 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint6
     }
     const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dmask == 0) continue;
-    const char *src = (const char *)p.x + t * H * 2;
+    const char *src = p.xq ? (const char *)p.xq + t * H : (const char *)p.x + t * H * 2;
     for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
       uint4 v[TP_UNROLL];
 #pragma unroll
@@ -330,6 +332,14 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint6
           const int64_t c = c0 + u * 32 + lane;
           if (c < chunks) tp_st_v4(dst + c * 16, v[u]);
         }
+      }
+    }
+    if (p.xq) {  // the row's scales after its H bytes, one lane per 1x128 block
+      for (uint32_t m = dmask; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
+        float *dst = (float *)(p.peer[d] + recv + (int64_t)pd * H * 2 + H);
+        for (int64_t b = lane; b < H / 128; b += 32) dst[b] = p.xq_s[b * p.xq_s_ld + t];
       }
     }
   }
