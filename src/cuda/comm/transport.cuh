@@ -273,11 +273,13 @@ __device__ __forceinline__ void tp_put_row_map(const mok_tp_params_t &p, int d, 
 // persistent kernel) the GEMMs read them, and its block of recv_x stays unwritten. A warp per
 // token (whole rows: splitting rows into 2 KB items dealt to different warps was slower;
 // docs/performance.md, "Transport: push, pull and local rows").
-__device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint64_t epoch) {
+// FP8 (p.xq): a row is the token's H e4m3 bytes, then its H / 128 fp32 scales (a template
+// argument: a run-time choice made the transport kernel spill).
+template <bool FP8>
+__device__ __forceinline__ void tp_dispatch_rows(const mok_tp_params_t &p, uint64_t epoch) {
   const int lane = threadIdx.x & 31;
   const int W = p.nranks;
-  // 16-byte chunks per row: bf16 H / 8; fp8-block (p.xq) the H e4m3 bytes, then the scales
-  const int64_t K = p.K, H = p.H, chunks = p.xq ? H / 16 : H / 8;
+  const int64_t K = p.K, H = p.H, chunks = FP8 ? H / 16 : H / 8;  // 16-byte chunks per row
   const int64_t meta_ints = K + 1;
   const size_t recv = p.recv_x2 ? p.win.recv_x2 : p.win.recv_x;  // a layer's backward: dy
   uint32_t *claim = p.lay.claim + TP_CLAIM_DISPATCH + (epoch & 1);
@@ -294,7 +296,7 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint6
     }
     const uint32_t dmask = __ballot_sync(0xffffffffu, pos >= 0);
     if (dmask == 0) continue;
-    const char *src = p.xq ? (const char *)p.xq + t * H : (const char *)p.x + t * H * 2;
+    const char *src = FP8 ? (const char *)p.xq + t * H : (const char *)p.x + t * H * 2;
     for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
       uint4 v[TP_UNROLL];
 #pragma unroll
@@ -334,7 +336,7 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint6
         }
       }
     }
-    if (p.xq) {  // the row's scales after its H bytes, one lane per 1x128 block
+    if (FP8) {  // the row's scales after its H bytes, one lane per 1x128 block
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
@@ -343,6 +345,11 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint6
       }
     }
   }
+}
+
+__device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint64_t epoch) {
+  if (p.xq) tp_dispatch_rows<true>(p, epoch);
+  else tp_dispatch_rows<false>(p, epoch);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
