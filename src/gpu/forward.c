@@ -62,26 +62,31 @@ static mok_fwd_local_params_t gpu_local_params(mok_layer_t l, const mok_forward_
   return p;
 }
 
+void mok_gpu_fused_params(mok_layer_t l, const mok_forward_args_t *a, char *ctx,
+                          mok_fwd_fused_params_t *f) {
+  const mok_ws_layout_t *lay = &l->gpu->lay;
+  const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = l->d.shared_intermediate > 0;
+  f->I = l->d.intermediate;
+  f->wg = a->w.wg, f->wu = a->w.wu, f->wd = a->w.wd;
+  f->wsg = a->w.wsg, f->wsu = a->w.wsu, f->wsd = a->w.wsd;
+  f->a = mok_gpu_ws(l, MOK_WS_A);
+  f->as = shared ? mok_gpu_ws(l, MOK_WS_AS) : NULL;
+  f->g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
+  f->u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
+  f->gs_out = save && shared ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
+  f->us_out = save && shared ? ctx + lay->ctx[MOK_CTX_US] : NULL;
+  f->num_sms = l->tuning.forward_sms;
+  f->tuning = &l->tuning;
+}
+
 /* The fused kernel after this call's layout (p). */
 static mokResult_t gpu_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
                                      const mok_fwd_local_params_t *p, char *ctx, void *stream) {
-  const mok_ws_layout_t *lay = &l->gpu->lay;
-  const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = l->d.shared_intermediate > 0;
   mok_fwd_fused_params_t f;
   memset(&f, 0, sizeof(f));
   f.l = *p;
   f.l.xg = NULL; /* GATE_UP gathers the rows of x itself */
-  f.I = l->d.intermediate;
-  f.wg = a->w.wg, f.wu = a->w.wu, f.wd = a->w.wd;
-  f.wsg = a->w.wsg, f.wsu = a->w.wsu, f.wsd = a->w.wsd;
-  f.a = mok_gpu_ws(l, MOK_WS_A);
-  f.as = shared ? mok_gpu_ws(l, MOK_WS_AS) : NULL;
-  f.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
-  f.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
-  f.gs_out = save && shared ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
-  f.us_out = save && shared ? ctx + lay->ctx[MOK_CTX_US] : NULL;
-  f.num_sms = l->tuning.forward_sms;
-  f.tuning = &l->tuning;
+  mok_gpu_fused_params(l, a, ctx, &f);
   const mokResult_t r = mok_fwd_fused_launch(&f, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }

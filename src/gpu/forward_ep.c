@@ -36,8 +36,6 @@
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
 
-#include "cuda/forward/forward.h"
-
 /* Whether the fused forward runs the dispatch itself (forward/fused_ep.cuh). Its tiles then wait
  * for other ranks' kernels, so every rank's kernel must be resident at once: always so for ranks
  * on GPUs of their own; virtual ranks share one GPU, so only when each rank's kernel has at most
@@ -63,9 +61,7 @@ static int ep_dispatch_in_kernel(mok_layer_t l) {
 static mokResult_t ep_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
                                     const mok_tp_params_t *p, int dispatch, char *ctx,
                                     void *stream) {
-  const mok_ws_layout_t *lay = &l->gpu->lay;
   const int64_t Is = l->d.shared_intermediate, R = l->capacity_rows;
-  const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = Is > 0;
   mok_fwd_fused_params_t f;
   memset(&f, 0, sizeof(f));
   mok_fwd_local_params_t *q = &f.l;
@@ -88,17 +84,7 @@ static mokResult_t ep_forward_fused(mok_layer_t l, const mok_forward_args_t *a,
   cudaError_t ce = cudaMemsetAsync(q->counters, 0, (size_t)q->n_counters * 4,
                                    (cudaStream_t)stream);
   if (ce != cudaSuccess) return mok_gpu_cuda_fail(l, "mok_forward: cudaMemsetAsync", ce);
-  f.I = l->d.intermediate;
-  f.wg = a->w.wg, f.wu = a->w.wu, f.wd = a->w.wd;
-  f.wsg = a->w.wsg, f.wsu = a->w.wsu, f.wsd = a->w.wsd;
-  f.a = mok_gpu_ws(l, MOK_WS_A);
-  f.as = shared ? mok_gpu_ws(l, MOK_WS_AS) : NULL;
-  f.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
-  f.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
-  f.gs_out = save && shared ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
-  f.us_out = save && shared ? ctx + lay->ctx[MOK_CTX_US] : NULL;
-  f.num_sms = l->tuning.forward_sms;
-  f.tuning = &l->tuning;
+  mok_gpu_fused_params(l, a, ctx, &f);
   f.recv_x = p->peer[p->rank] + p->win.recv_x;
   f.dispatch = dispatch ? p : NULL;
   const mokResult_t r = mok_fwd_fused_launch(&f, stream);

@@ -15,6 +15,7 @@
 
 #include "cuda/backward/backward.h"
 #include "cuda/comm/comm.h"
+#include "cuda/forward/forward.h"
 #include "cuda/gemm/gemm.h"
 
 /* A GPU layer's state (mok_layer.gpu). */
@@ -41,6 +42,12 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
  * left zero for the caller. */
 mokResult_t mok_gpu_backward_check(mok_layer_t l, const mok_forward_args_t *a, const char *ctx,
                                    mok_bwd_local_params_t *p, void *stream);
+
+/* The fused forward's parameters beyond f->l (src/gpu/forward.c): the call's weights, the
+ * workspace's a and as, the SAVE context's g, u, gs, us, and the layer's tuning; W = 1 or one
+ * rank of an expert-parallel layer (which then sets recv_x and dispatch). */
+void mok_gpu_fused_params(mok_layer_t l, const mok_forward_args_t *a, char *ctx,
+                          mok_fwd_fused_params_t *f);
 
 /* fp8-block: the experts' fp8 GEMMs of a forward (src/gpu/forward.c), W = 1 or one rank of an
  * expert-parallel layer, once the workspace's xq holds the routed rows' e4m3 values and xqt the
