@@ -74,30 +74,18 @@ static mokResult_t bwd_zero_wgrads(mok_layer_t l, const mok_backward_args_t *g, 
  * e4m3 x rows (mok_gpu_fp8_rows) and its fp8 SwiGLU GEMMs. */
 static mokResult_t fp8_recompute(mok_layer_t l, const mok_forward_args_t *a,
                                  const mok_bwd_rows_t *c, void *stream) {
-  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
-                Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
-  const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
+  const int64_t T = a->num_tokens, Is = l->d.shared_intermediate;
 #define WS(region) mok_gpu_ws(l, region)
   mokResult_t r = mok_gpu_fp8_rows(l, c->gather, a->x, WS(MOK_WS_XG), c->offsets, T, stream);
   if (r != MOK_SUCCESS) return r;
-  mok_grouped_gemm_params_t gu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
-  gu.a = WS(MOK_WS_XQ), gu.a_scale = (const float *)WS(MOK_WS_XQ_S), gu.a_scale_ld = R4;
-  mok_gpu_qw_operand(l, &a->w, MOK_QW_WG, 0, &gu);
-  mok_gpu_qw_operand(l, &a->w, MOK_QW_WU, 1, &gu);
-  gu.offsets = c->offsets;
-  gu.c = WS(MOK_WS_A); /* overwritten by the SwiGLU backward */
-  gu.row_scale = c->row_w;
-  gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U);
+  /* a is overwritten by the SwiGLU backward */
+  mok_grouped_gemm_params_t gu = mok_gpu_fp8_swiglu_params(
+      l, &a->w, 0, T, c->offsets, c->row_w, WS(MOK_WS_A), WS(MOK_WS_G), WS(MOK_WS_U));
   if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "fp8 recompute gate/up", stream)) != MOK_SUCCESS)
     return r;
   if (Is > 0 && T > 0) { /* x quantized in xqt by mok_gpu_fp8_rows */
-    mok_grouped_gemm_params_t sgu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
-    sgu.a = WS(MOK_WS_XQT), sgu.a_scale = (const float *)WS(MOK_WS_XQT_S), sgu.a_scale_ld = T4;
-    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
-    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSU, 1, &sgu);
-    sgu.offsets = c->shared_offsets;
-    sgu.c = WS(MOK_WS_AS);
-    sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
+    mok_grouped_gemm_params_t sgu = mok_gpu_fp8_swiglu_params(
+        l, &a->w, 1, T, c->shared_offsets, NULL, WS(MOK_WS_AS), WS(MOK_WS_GS), WS(MOK_WS_US));
     r = mok_gpu_gemm(l, &sgu, "mok_backward", "fp8 recompute shared gate/up", stream);
   }
 #undef WS

@@ -147,6 +147,26 @@ static mokResult_t gpu_forward_chain(mok_layer_t l, const mok_forward_args_t *a,
   return MOK_SUCCESS;
 }
 
+/* gpu.h */
+mok_grouped_gemm_params_t mok_gpu_fp8_swiglu_params(mok_layer_t l, const mok_weights_t *w,
+                                                    int shared, int64_t T,
+                                                    const int32_t *offsets, const float *row_w,
+                                                    void *c, void *g_out, void *u_out) {
+  const int64_t H = l->d.hidden, R = l->capacity_rows;
+  mok_grouped_gemm_params_t p =
+      shared ? mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, 1, T, l->d.shared_intermediate, H)
+             : mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, l->EL, R, l->d.intermediate, H);
+  p.a = mok_gpu_ws(l, shared ? MOK_WS_XQT : MOK_WS_XQ);
+  p.a_scale = (const float *)mok_gpu_ws(l, shared ? MOK_WS_XQT_S : MOK_WS_XQ_S);
+  p.a_scale_ld = mok_ws_ld4(shared ? l->d.max_tokens : R);
+  mok_gpu_qw_operand(l, w, shared ? MOK_QW_WSG : MOK_QW_WG, 0, &p);
+  mok_gpu_qw_operand(l, w, shared ? MOK_QW_WSU : MOK_QW_WU, 1, &p);
+  p.offsets = offsets;
+  p.row_scale = row_w;
+  p.c = c, p.g_out = g_out, p.u_out = u_out;
+  return p;
+}
+
 /* fp8-block: the experts' GEMMs after the e4m3 rows of this call are in place (xq [R, H]: the
  * routed rows in expert order; xqt [T, H]: the call's tokens, for the shared expert; scales K-block
  * major, src/common/workspace.h), for W = 1 and for one rank of an expert-parallel layer (gpu.h):
@@ -164,15 +184,9 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
   mokResult_t r;
 #define WS(region) mok_gpu_ws(l, region)
-  mok_grouped_gemm_params_t gu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
-  gu.a = WS(MOK_WS_XQ), gu.a_scale = (const float *)WS(MOK_WS_XQ_S), gu.a_scale_ld = R4;
-  mok_gpu_qw_operand(l, &a->w, MOK_QW_WG, 0, &gu);
-  mok_gpu_qw_operand(l, &a->w, MOK_QW_WU, 1, &gu);
-  gu.offsets = c->offsets;
-  gu.c = WS(MOK_WS_A);
-  gu.row_scale = c->row_w;
-  gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
-  gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
+  mok_grouped_gemm_params_t gu = mok_gpu_fp8_swiglu_params(
+      l, &a->w, 0, T, c->offsets, c->row_w, WS(MOK_WS_A), save ? ctx + lay->ctx[MOK_CTX_G] : NULL,
+      save ? ctx + lay->ctx[MOK_CTX_U] : NULL);
   if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "fp8 routed gate/up", stream)) != MOK_SUCCESS)
     return r;
   if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_A), R, I, WS(MOK_WS_AQ), WS(MOK_WS_AQ_S), R4,
@@ -186,14 +200,9 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "fp8 routed down", stream)) != MOK_SUCCESS) return r;
 
   if (Is > 0 && T > 0) {
-    mok_grouped_gemm_params_t sgu = mok_gg_fp8_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
-    sgu.a = WS(MOK_WS_XQT), sgu.a_scale = (const float *)WS(MOK_WS_XQT_S), sgu.a_scale_ld = T4;
-    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
-    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSU, 1, &sgu);
-    sgu.offsets = c->shared_offsets;
-    sgu.c = WS(MOK_WS_AS);
-    sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
-    sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
+    mok_grouped_gemm_params_t sgu = mok_gpu_fp8_swiglu_params(
+        l, &a->w, 1, T, c->shared_offsets, NULL, WS(MOK_WS_AS),
+        save ? ctx + lay->ctx[MOK_CTX_GS] : NULL, save ? ctx + lay->ctx[MOK_CTX_US] : NULL);
     if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "fp8 shared gate/up", stream)) != MOK_SUCCESS)
       return r;
     if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_AS), T, Is, WS(MOK_WS_ASQ), WS(MOK_WS_ASQ_S), T4,

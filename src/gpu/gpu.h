@@ -59,6 +59,13 @@ typedef struct {
 } mok_fp8_rows_t;
 mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t *a,
                                         const mok_fp8_rows_t *c, char *ctx, void *stream);
+/* fp8-block: the fp8 SwiGLU gate/up GEMM of the routed experts (shared = 0: EL groups over the
+ * workspace's xq rows, router weights row_w) or of the shared expert (1 group over the T rows of
+ * xqt), writing c (a or as) and, when not NULL, g_out and u_out; the forward's and RECOMPUTE's. */
+mok_grouped_gemm_params_t mok_gpu_fp8_swiglu_params(mok_layer_t l, const mok_weights_t *w,
+                                                    int shared, int64_t T,
+                                                    const int32_t *offsets, const float *row_w,
+                                                    void *c, void *g_out, void *u_out);
 
 /* The rows a backward's local chain works on: xg, dyg (workspace regions, expert order) with
  * their router weights row_w and the local experts' offsets [EL + 1]; the shared expert on the

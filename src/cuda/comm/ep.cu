@@ -225,21 +225,16 @@ __global__ void __launch_bounds__(EP_THREADS)
 __device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
                                                 uint64_t epoch) {
   const int lane = threadIdx.x & 31;
-  const int W = p.nranks;
   const int64_t K = p.K, H = p.H, chunks = H / 8;
-  const char *my_win = p.peer[p.rank];
-  const int32_t *meta_all = (const int32_t *)(my_win + p.win.recv_meta);
-  const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
-  const int64_t items = src_start[W] - (own1 - own0);
+  const int64_t items = tp_received_items(p, src_start);
   uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (epoch & 1);
   for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
        i = __shfl_sync(0xffffffffu, nx, 0)) {
     nx = tp_claim(claim, lane);
-    const int64_t q = i < own0 ? i : i + (own1 - own0);
-    int s = 0;
-    while (s + 1 < W && src_start[s + 1] <= q) s++;
-    const int32_t *meta = meta_all + q * (K + 1);
-    const int32_t t = tp_ld_peer_i32(meta);
+    const tp_received_t it = tp_received(p, src_start, i);
+    const int32_t *meta = it.meta;
+    const int s = it.s;
+    const int32_t t = it.t;
     char *dst_tok = p.peer[s] + p.win.comb + (int64_t)t * K * H * 2;
     for (int64_t k = 0; k < K; k++) {
       const int32_t row = tp_ld_peer_i32(meta + 1 + k);

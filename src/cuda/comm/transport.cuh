@@ -356,6 +356,32 @@ __device__ __forceinline__ void tp_dispatch_send(const mok_tp_params_t &p, uint6
 /* Combine                                                                                         */
 /* ---------------------------------------------------------------------------------------------- */
 
+// The combine's items: the tokens this rank received from the other ranks (its own tokens' block
+// of recv_x is skipped). src_start: [W + 1] first received position of each source rank.
+__device__ __forceinline__ int64_t tp_received_items(const mok_tp_params_t &p,
+                                                     const int32_t *src_start) {
+  return src_start[p.nranks] - (src_start[p.rank + 1] - src_start[p.rank]);
+}
+
+// Item i of them: its position q in recv_x and recv_meta, its home rank s and its token t there.
+typedef struct {
+  int64_t q;
+  int s;
+  int32_t t;
+  const int32_t *meta;  // recv_meta[q]: t, then this rank's row of each slot or -1
+} tp_received_t;
+__device__ __forceinline__ tp_received_t tp_received(const mok_tp_params_t &p,
+                                                     const int32_t *src_start, int64_t i) {
+  const int32_t own0 = src_start[p.rank], own1 = src_start[p.rank + 1];
+  tp_received_t r;
+  r.q = i < own0 ? i : i + (own1 - own0);
+  r.s = 0;
+  while (r.s + 1 < p.nranks && src_start[r.s + 1] <= r.q) r.s++;
+  r.meta = (const int32_t *)(p.peer[p.rank] + p.win.recv_meta) + r.q * (p.K + 1);
+  r.t = tp_ld_peer_i32(r.meta);
+  return r;
+}
+
 // The local expert that owns `row` of this rank's row buffer: the last local expert whose
 // segment starts at or before it (empty experts start where the next one does, so the last one
 // wins). start: [EL] segment starts of this rank's experts, in shared memory.
