@@ -36,7 +36,7 @@ bench/results/ep.jsonl), with the commit; a W that was skipped gets one row with
 
     python3 bench/ep.py [--tokens 16384] [--cases substring] [--ranks 1,2,4] [--wgrad fp32|bf16]
                         [--precision bf16|fp8-block] [--capacity-factor 0]
-                        [--timing blocked|interleaved] [--commit SHA]
+                        [--timing blocked|interleaved] [--commit SHA] [--profile]
 
 Memory: every rank's layer has its own workspace and context, sized for T/W tokens and, with
 --capacity-factor 0 (the library's default, never overflows), W T/W K = T K received rows, so
@@ -58,7 +58,8 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: this rank's GPU befo
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # forward.py sets MOK_LIBRARY to build/libmok_bench.so (the W = 1 chain is a tuned layer)
-from forward import FORWARD_CHAIN, MODELS, declare_tuning, tuned_layer  # noqa: E402
+from forward import (FORWARD_CHAIN, MODELS, declare_tuning, print_kernel_times,  # noqa: E402
+                     tuned_layer)
 from gemm import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
                   default_rounds, git_commit, set_timing, time_ms)
 import mok  # noqa: E402
@@ -289,6 +290,8 @@ def run_w(p, out, W, ref, args, d, comms=None):
             team.check()
             ms = d.all(times[0], "max")
             fwd.update(mok_ms=ms, tflops=p.flops / ms * 1e-9, **clock_fields(["mok"]))
+            if args.profile and d.rank == 0:
+                print_kernel_times(p.model, f"W = {W} forward", team.forward)
             if chain:
                 chain.check()
                 ref.update(fwd_ms=ms, chain_ms=d.all(times[1], "max"))
@@ -324,6 +327,8 @@ def run_w(p, out, W, ref, args, d, comms=None):
                 ref["step_ms"] = ms
             step.update(mok_ms=ms, tflops=3 * p.flops / ms * 1e-9, w1_ms=ref["step_ms"],
                         vs_w1=ref["step_ms"] / ms, **clock_fields(["mok"]))
+            if args.profile and d.rank == 0:
+                print_kernel_times(p.model, f"W = {W} forward + backward", team.step)
         rows = [fwd, step]
     finally:
         team.close()
@@ -382,6 +387,9 @@ def main():
     ap.add_argument("--capacity-factor", type=float, default=0.0,
                     help="mok_layer_desc_t.capacity_factor of every layer (0: W, never overflows)")
     ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, each W's kernels (torch.profiler, summed per kernel name: "
+                         "with virtual ranks the ranks' kernels overlap in time)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20,
                     help="launches per function with --timing interleaved (and under torchrun)")
