@@ -315,6 +315,31 @@ static int bwd_same(const bwd_out_t *a, const bwd_out_t *b) {
   return same;
 }
 
+// p's forward + backward on a layer of its own in context mode `mode`, `runs` times (each on
+// freshly poisoned outputs), each run's gradients into o[run]. 1 when every call and check
+// succeeded; failures are recorded on the running test.
+static int bwd_gpu_runs_in_mode(bwd_problem_t *p, mok_context_mode_t mode, int runs,
+                                bwd_out_t *o) {
+  p->f.mode = mode;
+  bwd_gpu_t g;
+  if (!bwd_gpu_open(&g, p)) {
+    MOK_EXPECT_MSG(0, "creating the layer: %s", mok_last_error());
+    return 0;
+  }
+  int ok = 1;
+  for (int n = 0; n < runs && ok; n++) {
+    bwd_gpu_inputs(&g, p);  // poisoned outputs
+    const mokResult_t r = bwd_gpu_run(&g, p, 0);
+    MOK_EXPECT_MSG(r == MOK_SUCCESS, "mok_forward/mok_backward: %s", mok_last_error());
+    const mokResult_t c = r == MOK_SUCCESS ? mok_layer_check(g.f.l) : r;
+    MOK_EXPECT_MSG(c == MOK_SUCCESS, "mok_layer_check: %s", mok_last_error());
+    ok = r == MOK_SUCCESS && c == MOK_SUCCESS;
+    if (ok) bwd_gpu_outputs(&g, p, &o[n]);
+  }
+  bwd_gpu_close(&g);
+  return ok;
+}
+
 // GPU forward + backward on p's inputs against the CPU layer. 1 when everything matched;
 // failures are recorded on the running test.
 static int bwd_check_against_cpu(bwd_gpu_t *g, const bwd_problem_t *p, const char *what) {
