@@ -27,7 +27,10 @@ typedef enum {
 typedef struct {
   size_t struct_size;              /* sizeof(mok_tuning_t), checked by mok_layer_set_tuning */
   mok_forward_path_t forward_path; /* default MOK_FORWARD_FUSED */
-  int forward_sms;                 /* CTAs of the fused forward; 0 = every SM (default) */
+  int forward_sms;                 /* CTAs of the fused forward; 0 = every SM (default). Virtual
+                                      ranks: at most (SMs - W) / W, and the expert-parallel
+                                      forward runs its dispatch inside the fused kernel
+                                      (src/gpu/forward_ep.c) */
   int fused_lag;                   /* expert stages between an expert's GATE_UP and DOWN tiles;
                                       0 = from the shape (default) */
   int fused_shared_band;           /* token tiles per band of the shared expert; default 8 */
