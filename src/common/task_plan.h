@@ -14,10 +14,10 @@
  * The order: for s = 0 .. E + L - 1: GATE_UP tiles of expert s (s < E) followed by DOWN tiles of
  * expert s - L (s >= L); then the shared expert in bands of `shared_band` token tiles: for
  * u = 0 .. U (U bands), SHARED_GATE_UP tiles of band u (u < U) followed by SHARED_DOWN tiles of
- * band u - 1 (u >= 1); then REDUCE (none with no_reduce). The lag L >= 1 (field `lag`) keeps a DOWN tile a few hundred
- * tasks behind the GATE_UP tiles it reads, so that with a grid of ~132 CTAs they have finished by
- * the time it is taken instead of running beside it; the shared expert's band lag does the same
- * for its down tiles. The shared expert comes last so that the reduce of a token block can start
+ * band u - 1 (u >= 1); then REDUCE (none with no_reduce). The lag L >= 1 (field `lag`) keeps a
+ * DOWN tile a few hundred tasks behind the GATE_UP tiles it reads, so that with a grid of ~132
+ * CTAs they have finished by the time it is taken instead of running beside it; the shared
+ * expert's band lag does the same for its down tiles. The shared expert comes last so that the reduce of a token block can start
  * as soon as its shared-expert tiles are done (every routed DOWN tile is done by then), beside the
  * shared expert's later bands (forward/fused.cu's reduce helpers; DeepSeek-V3's forward 3-9%
  * faster than with the shared expert's gate/up tiles first: docs/performance.md,

@@ -85,15 +85,6 @@
 #error "MoK's forward kernels target sm_90a (Hopper) and newer"
 #endif
 
-// This thread's rows' router weights (epi_row_scales), read at L2: under expert parallelism
-// other GPUs wrote those of their tokens' rows during this launch (fused_ep.cuh).
-__device__ __forceinline__ float2 fk_row_scales(const float *row_w, epi_coords_t e) {
-  float2 w = make_float2(1.0f, 1.0f);
-  if (e.row < e.row_end) w.x = __ldcg(row_w + e.row);
-  if (e.row + 8 < e.row_end) w.y = __ldcg(row_w + e.row + 8);
-  return w;
-}
-
 template <int STAGED>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     fk_forward_kernel(const __grid_constant__ fk_params_t p, const __grid_constant__ fk_maps_t m) {
@@ -264,7 +255,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         const int64_t row_end = routed ? s_off[t.expert + 1] : p.T;
         float2 w = make_float2(1.0f, 1.0f);
         if (t.kind == MOK_TASK_GATE_UP)  // loaded before the mainloop: latency hides behind it
-          w = fk_row_scales(p.row_w, epi_coords(row0, row_end, 0, 0, 0, cw));
+          w = epi_row_scales(p.row_w, epi_coords(row0, row_end, 0, 0, 0, cw));
         const int64_t k = t.kind == MOK_TASK_GATE_UP || t.kind == MOK_TASK_SHARED_GATE_UP ? p.H
                           : t.kind == MOK_TASK_DOWN                                     ? p.I
                                                                                         : p.Is;

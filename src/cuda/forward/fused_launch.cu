@@ -92,7 +92,8 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "fused forward launch: %lld counters, %lld "
                     "needed", (long long)l->n_counters, (long long)mok_fc_count(R, E, T));
   if (!fk_a16(l->x) || !fk_a16(l->y) || !fk_a16(p->recv_x) || !fk_a16(l->yk) ||
-      !fk_a16(p->wg) || !fk_a16(p->wu) || !fk_a16(p->wd) || !fk_a16(p->a) || (p->g_out && !fk_a16(p->g_out)) ||
+      !fk_a16(p->wg) || !fk_a16(p->wu) || !fk_a16(p->wd) || !fk_a16(p->a) ||
+      (p->g_out && !fk_a16(p->g_out)) ||
       (p->u_out && !fk_a16(p->u_out)) ||
       (shared && (!fk_a16(p->wsg) || !fk_a16(p->wsu) || !fk_a16(p->wsd) || !fk_a16(p->as) ||
                   !fk_a16(l->ys))))

@@ -51,12 +51,14 @@ __device__ __forceinline__ float epi_silu(float g) {
 }
 
 // Router weights of this thread's two rows (1 where there is no row or no weight array). Loaded
-// before the tile's mainloop so that the global-load latency hides behind the MMA.
+// before the tile's mainloop so that the global-load latency hides behind the MMA. Read at L2:
+// under expert parallelism the fused forward reads weights that other GPUs wrote during the
+// launch (forward/fused_ep.cuh), and L1 is not coherent with their stores.
 __device__ __forceinline__ float2 epi_row_scales(const float *row_scale, epi_coords_t e) {
   float2 w = make_float2(1.0f, 1.0f);
   if (row_scale) {
-    if (e.row < e.row_end) w.x = row_scale[e.row];
-    if (e.row + 8 < e.row_end) w.y = row_scale[e.row + 8];
+    if (e.row < e.row_end) w.x = __ldcg(row_scale + e.row);
+    if (e.row + 8 < e.row_end) w.y = __ldcg(row_scale + e.row + 8);
   }
   return w;
 }
