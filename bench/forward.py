@@ -11,6 +11,9 @@ run by default: the forward is the layout kernel plus one fused persistent kerne
 unfused kernel chain (a second layer tuned to forward_path = 1, the chain) is timed in the same
 run (chain_ms); y must be the same bits both ways (fused_equals_chain). Each model also gets a
 forward + backward case against the pipeline under torch.autograd (FLOPs 3x the forward's), with
+the fused backward kernel (tuning backward_path = 1, src/cuda/backward/fused.cu) timed in the same
+rounds (bwd_fused_ms, bwd_fused_vs_chain = chain / fused; its gradients must be the chain's bits,
+fused_bwd_equals_chain) and any --variant of backward_* fields on top of it, and
 fp32 weight gradients, or bf16 ones (the pipeline's dtype; the row's "wgrad") where fp32 ones do
 not fit beside the pipeline, or as --wgrad says.
 
@@ -147,7 +150,8 @@ def dense_ceiling(T_, H, I, K, Is, dev, gen):
 
 # mok_bench_layer_tune's field names (bench/driver/mok_bench.h, src/common/tuning.h)
 TUNING_FIELDS = ("forward_path", "forward_sms", "fused_lag", "fused_shared_band",
-                 "fused_help_pct", "tile_group_m", "timeout_s")
+                 "fused_help_pct", "backward_path", "backward_sms", "backward_lag",
+                 "tile_group_m", "timeout_s")
 FORWARD_CHAIN = {"forward_path": 1}  # MOK_FORWARD_CHAIN of src/common/tuning.h
 
 
@@ -319,6 +323,8 @@ def run_case(model, args, gen):
     # required
     variants = {}
     for name, tuning in args.variant:
+        if all(f.startswith("backward_") for f in tuning):
+            continue  # a backward variant: timed in the forward + backward case
         lay = tuned_layer(tuning, **shape)
         tuned.append(lay)
         fn = forward_of(lay)
@@ -439,12 +445,47 @@ def run_case(model, args, gen):
         brow["wrong"] = True
         print(f"{model} fwd+bwd: WRONG, relative errors {errs}")
     else:
-        mok_ms, base_ms = time_ms([mok_step, base_step], args.warmup, args.reps, args.rounds)
+        # The fused backward kernel (backward_path = 1; the default, 0, is the chain, its
+        # oracle) on the same layer: the same gradient bits, timed in the same rounds. --variant
+        # NAME:backward_FIELD=VALUE,...: the fused step with those values too (back to 0 after).
+        def tune(fields):
+            for f, v in fields.items():
+                mok._lib.check(layer._lib.mok_bench_layer_tune(layer._layer, f.encode(), v))
+
+        def fused_step_of(fields):
+            def step():
+                try:
+                    tune(dict(fields, backward_path=1))
+                    mok_step()
+                finally:
+                    tune({f: 0 for f in dict(fields, backward_path=1)})
+            return step
+        mok_step()
+        layer.check()
+        chain_bits = grad_fingerprint(grads)
+        bwd_fused = {"bwd_fused_ms": fused_step_of({})}
+        for name, tuning in args.variant:
+            if all(f.startswith("backward_") for f in tuning):
+                bwd_fused[f"bwd_variant_{name}_ms"] = fused_step_of(tuning)
+        same_bwd = True
+        for key, step in list(bwd_fused.items()):
+            step()
+            layer.check()
+            if grad_fingerprint(grads) != chain_bits:
+                print(f"{model} fwd+bwd: {key[:-3]}'s gradients differ from the chain's")
+                same_bwd = False
+                del bwd_fused[key]
+        times = time_ms([mok_step, base_step] + list(bwd_fused.values()), args.warmup, args.reps,
+                        args.rounds)
+        mok_ms, base_ms = times[:2]
+        brow.update(zip(bwd_fused, times[2:]), fused_bwd_equals_chain=same_bwd)
+        if "bwd_fused_ms" in brow:
+            brow["bwd_fused_vs_chain"] = mok_ms / brow["bwd_fused_ms"]
         layer.check()
         brow.update(mok_ms=mok_ms, baseline_ms=base_ms, ratio=base_ms / mok_ms,
                     tflops=3 * flops / mok_ms * 1e-9, baseline_tflops=3 * flops / base_ms * 1e-9,
                     ceiling_ms=ceiling_fb_ms, ceiling_ratio=ceiling_fb_ms / mok_ms,
-                    **clock_fields(["mok", "baseline"]))
+                    **clock_fields(["mok", "baseline", "bwd_fused"]))
         # memory: MoK's workspace and context (the library's own allocations) against the
         # pipeline's peak above what the step starts with (its saved activations and temporaries)
         torch.cuda.synchronize()
@@ -459,6 +500,18 @@ def run_case(model, args, gen):
     rows.append(brow)
     layer.close()
     return rows
+
+
+def grad_fingerprint(grads):
+    """Per gradient and per slice along dim 0, the int64 sum of its bit patterns (bf16 as int16,
+    fp32 as int32): equal fingerprints for equal bits, without a copy of the gradients (DeepSeek-V3's
+    fp32 weight gradients are 45 GB)."""
+    out = {}
+    for k, g in grads.items():
+        v = g.view(torch.int16 if g.element_size() == 2 else torch.int32)
+        v = v.reshape(v.shape[0] if v.dim() == 3 else 1, -1)  # an expert's slice at a time
+        out[k] = torch.stack([v[i].sum(dtype=torch.int64) for i in range(v.shape[0])]).tolist()
+    return out
 
 
 def main():

@@ -473,7 +473,9 @@ static int same_tuning(const mok_tuning_t *a, const mok_tuning_t *b) {
   return a->struct_size == b->struct_size && a->forward_path == b->forward_path &&
          a->forward_sms == b->forward_sms && a->fused_lag == b->fused_lag &&
          a->fused_shared_band == b->fused_shared_band && a->fused_help_pct == b->fused_help_pct &&
-         a->tile_group_m == b->tile_group_m && a->timeout_s == b->timeout_s;
+         a->backward_path == b->backward_path && a->backward_sms == b->backward_sms &&
+         a->backward_lag == b->backward_lag && a->tile_group_m == b->tile_group_m &&
+         a->timeout_s == b->timeout_s;
 }
 
 MOK_TEST(api_layer_tuning_is_checked) {
@@ -484,12 +486,14 @@ MOK_TEST(api_layer_tuning_is_checked) {
   MOK_EXPECT(t.struct_size == sizeof(t) && t.forward_path == MOK_FORWARD_FUSED);
   MOK_EXPECT(t.forward_sms == 0 && t.fused_lag == 0 && t.fused_shared_band == 8);
   MOK_EXPECT(t.fused_help_pct == -1 && t.tile_group_m == 0 && t.timeout_s > 0);
+  MOK_EXPECT(t.backward_path == MOK_BACKWARD_CHAIN && t.backward_sms == 0 && t.backward_lag == 0);
   mok_tuning_t ok = t;
   ok.forward_path = MOK_FORWARD_CHAIN, ok.forward_sms = 3, ok.fused_lag = 1;
   ok.fused_shared_band = 1, ok.fused_help_pct = 100, ok.tile_group_m = -1, ok.timeout_s = 0.5;
+  ok.backward_path = MOK_BACKWARD_FUSED, ok.backward_sms = 5, ok.backward_lag = 2;
   MOK_EXPECT(mok_layer_set_tuning(f.c.l, &ok) == MOK_SUCCESS);
   MOK_EXPECT(mok_layer_tuning(f.c.l, &got) == MOK_SUCCESS && same_tuning(&got, &ok));
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < 11; i++) {
     mok_tuning_t bad = t;
     mokResult_t code = MOK_ERROR_INVALID_VALUE;
     switch (i) {
@@ -500,6 +504,9 @@ MOK_TEST(api_layer_tuning_is_checked) {
       case 4: bad.fused_shared_band = 0; break;
       case 5: bad.fused_help_pct = 101; break;
       case 6: bad.tile_group_m = -2; break;
+      case 7: bad.backward_path = (mok_backward_path_t)2; break;
+      case 8: bad.backward_sms = -1; break;
+      case 9: bad.backward_lag = -1; break;
       default: bad.timeout_s = 0; break;
     }
     MOK_EXPECT_MSG(mok_layer_set_tuning(f.c.l, &bad) == code, "case %d: %s", i, mok_last_error());

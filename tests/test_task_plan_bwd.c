@@ -334,6 +334,34 @@ MOK_TEST(bwd_plan_enumerates_orders_and_never_deadlocks) {
   }
 }
 
+/* The fused backward kernel's plan (src/cuda/backward/fused.cu): no DS tiles (the prologue's),
+ * no shared expert, DX tiles an expert stage ahead of DW ones by lag_dw: every DX, DW and REDUCE
+ * task once, and no deadlock. */
+MOK_TEST(bwd_plan_without_ds_is_dx_dw_then_reduce) {
+  const int32_t lags[3] = {1, 2, 5};
+  for (int c = 0; c < 3; c++) {
+    bproblem_t pb;
+    MOK_REQUIRE(bproblem_init(&pb, 0xd0u + c, 101, 8, 3, 0, 0, c, 1, lags[c]));
+    pb.plan.n_ds = 0, pb.plan.n_gu = 0;
+    char what[64];
+    snprintf(what, sizeof(what), "no DS, lag_dw %d", lags[c]);
+    check_plan(&pb, what);
+    const int64_t n = mok_bplan_num_tasks(&pb.plan);
+    int64_t first_dw_of_last = n, last_dx = -1;
+    for (int64_t i = 0; i < n; i++) {
+      const mok_task_t t = mok_bplan_task(&pb.plan, i);
+      if (t.kind == MOK_BTASK_DX) last_dx = i;
+      if (t.kind == MOK_BTASK_DW_DOWN && t.expert == 7 && i < first_dw_of_last) first_dw_of_last = i;
+    }
+    /* the kernel's BK_PAST_DX: every DX task lies before stage E + 1 */
+    MOK_EXPECT_MSG(last_dx < mok_bplan_stage_start(&pb.plan, pb.plan.E + 1), "%s: a DX task at "
+                   "%lld, past stage E + 1", what, (long long)last_dx);
+    MOK_EXPECT_MSG(lags[c] == 1 || first_dw_of_last > last_dx, "%s: the last expert's DW tiles "
+                   "start before the last DX tile", what);
+    bproblem_free(&pb);
+  }
+}
+
 /* The checker can fail: the plan's order with every expert's DX tiles moved in front of its DS
  * tiles must deadlock or start a task early under some schedule. */
 MOK_TEST(bwd_plan_checker_detects_dx_before_ds) {

@@ -59,6 +59,9 @@ mokResult_t mok_bench_layer_tune(mok_layer_t layer, const char *name, double val
   else if (strcmp(name, "fused_lag") == 0) t.fused_lag = iv;
   else if (strcmp(name, "fused_shared_band") == 0) t.fused_shared_band = iv;
   else if (strcmp(name, "fused_help_pct") == 0) t.fused_help_pct = iv;
+  else if (strcmp(name, "backward_path") == 0) t.backward_path = (mok_backward_path_t)iv;
+  else if (strcmp(name, "backward_sms") == 0) t.backward_sms = iv;
+  else if (strcmp(name, "backward_lag") == 0) t.backward_lag = iv;
   else if (strcmp(name, "tile_group_m") == 0) t.tile_group_m = iv;
   else if (strcmp(name, "timeout_s") == 0) t.timeout_s = value;
   else return mok_fail(layer, MOK_ERROR_INVALID_VALUE, "mok_bench_layer_tune: no tuning value \"%s\"", name);

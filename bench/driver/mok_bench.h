@@ -43,7 +43,8 @@ mokResult_t mok_bench_gemm(const mok_bench_gemm_t *g, void *stream);
 
 /* Sets one tuning value of a layer (src/common/tuning.h) by its field name: "forward_path"
  * (0 fused, 1 chain), "forward_sms", "fused_lag", "fused_shared_band", "fused_help_pct",
- * "tile_group_m", "timeout_s". MOK_ERROR_INVALID_VALUE for another name or an out-of-range
+ * "backward_path" (0 chain, 1 fused), "backward_sms", "backward_lag", "tile_group_m",
+ * "timeout_s". MOK_ERROR_INVALID_VALUE for another name or an out-of-range
  * value. */
 mokResult_t mok_bench_layer_tune(mok_layer_t layer, const char *name, double value);
 

@@ -9,6 +9,7 @@ mokResult_t mok_tuning_default(mok_tuning_t *t) {
   memset(t, 0, sizeof(*t));
   t->struct_size = sizeof(*t);
   t->forward_path = MOK_FORWARD_FUSED;
+  t->backward_path = MOK_BACKWARD_CHAIN;
   t->fused_shared_band = 8; /* docs/performance.md, "Fused forward: the shared expert" */
   t->fused_help_pct = -1;
   t->timeout_s = 10.0;
@@ -32,6 +33,12 @@ mokResult_t mok_tuning_check(mok_layer_t layer, const mok_tuning_t *t) {
                     t->struct_size, sizeof(*t));
   if ((unsigned)t->forward_path > MOK_FORWARD_CHAIN)
     return mok_fail(layer, MOK_ERROR_INVALID_VALUE, "tuning: forward_path = %d", (int)t->forward_path);
+  if ((unsigned)t->backward_path > MOK_BACKWARD_FUSED)
+    return mok_fail(layer, MOK_ERROR_INVALID_VALUE, "tuning: backward_path = %d",
+                    (int)t->backward_path);
+  if (t->backward_sms < 0 || t->backward_lag < 0)
+    return mok_fail(layer, MOK_ERROR_INVALID_VALUE, "tuning: backward_sms = %d, backward_lag = %d "
+                    "out of range", t->backward_sms, t->backward_lag);
   if (t->forward_sms < 0 || t->fused_lag < 0 || t->fused_shared_band < 1 ||
       t->fused_help_pct < -1 || t->fused_help_pct > 100 || t->tile_group_m < -1 ||
       t->tile_group_m > 1024 || !(t->timeout_s > 0.0 && t->timeout_s <= 1e6))

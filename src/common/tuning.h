@@ -24,6 +24,15 @@ typedef enum {
   MOK_FORWARD_CHAIN = 1  /* layout, gather, four grouped GEMMs, reduce: the fused kernel's oracle */
 } mok_forward_path_t;
 
+typedef enum {
+  MOK_BACKWARD_CHAIN = 0, /* the kernel chain of src/gpu/backward.c (the default) */
+  MOK_BACKWARD_FUSED = 1  /* the chain's prologue, then one persistent kernel for the routed
+                             experts' dxk, weight gradients and the dx reduce (BF16 layers, except
+                             bf16 weight gradients accumulated, which keep the chain): bitwise the
+                             chain's, but 1-3% slower so far (docs/performance.md, "Fused backward:
+                             the first kernel"), so not the default */
+} mok_backward_path_t;
+
 typedef struct {
   size_t struct_size;              /* sizeof(mok_tuning_t), checked by mok_layer_set_tuning */
   mok_forward_path_t forward_path; /* default MOK_FORWARD_FUSED */
@@ -37,6 +46,10 @@ typedef struct {
   int fused_help_pct;              /* expert stage (percent of E) from which two producer warps
                                       reduce; -1 = by the shape (default: 85 without a shared
                                       expert, 100 = none with one) */
+  mok_backward_path_t backward_path; /* default MOK_BACKWARD_CHAIN */
+  int backward_sms;                /* CTAs of the fused backward; 0 = every SM (default) */
+  int backward_lag;                /* expert stages from an expert's DX tiles to its DW tiles in
+                                      the fused backward; 0 = from the shape (default) */
   int tile_group_m;                /* row tiles per band of the GEMM tile orders; 0 = by the size
                                       of B against the L2 (default), -1 = no bands */
   double timeout_s;                /* bound of every wait on a counter; default 10, or

@@ -117,13 +117,49 @@ static mokResult_t fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, con
   return MOK_SUCCESS;
 }
 
+int mok_gpu_backward_fused(mok_layer_t l) {
+  return l->tuning.backward_path == MOK_BACKWARD_FUSED &&
+         l->d.precision == MOK_PRECISION_BF16 &&
+         !(l->d.wgrad_dtype == MOK_WGRAD_BF16 && l->d.wgrad_accumulate);
+}
+
+/* The fused backward kernel (src/cuda/backward/fused.cu) on the rows the prologue left: the
+ * routed experts' dxk and weight gradients, and with c->reduce dx and dtopk_w. */
+static mokResult_t bwd_fused(mok_layer_t l, const mok_forward_args_t *a,
+                             const mok_backward_args_t *gr, const mok_bwd_rows_t *c, void *stream) {
+#define WS(region) mok_gpu_ws(l, region)
+  mok_bwd_fused_params_t f;
+  memset(&f, 0, sizeof(f));
+  f.H = l->d.hidden, f.I = l->d.intermediate, f.E = l->EL, f.R = l->capacity_rows;
+  f.status = (const int32_t *)WS(MOK_WS_STATUS), f.offsets = c->offsets;
+  f.xg = WS(MOK_WS_XG), f.dyg = WS(MOK_WS_DYG);
+  f.a = WS(MOK_WS_A), f.dg = WS(MOK_WS_DG), f.du = WS(MOK_WS_DU);
+  f.wg = a->w.wg, f.wu = a->w.wu;
+  f.dxk = WS(MOK_WS_DXK);
+  f.dwg = gr->dwg, f.dwu = gr->dwu, f.dwd = gr->dwd;
+  f.wgrad_epilogue = l->d.wgrad_dtype == MOK_WGRAD_BF16 ? MOK_GG_EPI_STORE_BF16
+                     : l->d.wgrad_accumulate           ? MOK_GG_EPI_ACCUM_F32
+                                                       : MOK_GG_EPI_STORE_F32;
+  f.reduce = c->reduce;
+  f.counters = (uint32_t *)WS(MOK_WS_COUNTERS);
+  f.n_counters = mok_fc_count(l->capacity_rows, l->EL, l->d.max_tokens);
+  f.err = WS(MOK_WS_ERROR);
+  f.num_sms = l->tuning.backward_sms;
+  f.tile_group_m = l->tuning.tile_group_m;
+  f.lag_dw = l->tuning.backward_lag;
+  f.timeout_s = l->tuning.timeout_s;
+#undef WS
+  const mokResult_t r = mok_bwd_fused_launch(&f, stream);
+  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+}
+
 mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
                                    const mok_backward_args_t *gr, const mok_bwd_rows_t *c,
                                    void *stream) {
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = Is > 0 && T > 0;
-  const int fp8 = l->d.precision == MOK_PRECISION_FP8_BLOCK;
+  const int fp8 = l->d.precision == MOK_PRECISION_FP8_BLOCK, fused = mok_gpu_backward_fused(l);
   const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
   const mok_ws_layout_t *lay = &l->gpu->lay; /* computed once, at mok_layer_create */
   mokResult_t r;
@@ -187,7 +223,7 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
   /* dxk [R, H] bf16 = bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I (Wg [E, I, H] is
-   * B [E, K = I, N = H]; Wu the second segment's). */
+   * B [E, K = I, N = H]; Wu the second segment's). Fused: in the kernel below. */
   mok_grouped_gemm_params_t dx = mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_NMAJOR, E, R, H, I);
   dx.a = WS(MOK_WS_DG), dx.b = a->w.wg, dx.offsets = c->offsets, dx.c = WS(MOK_WS_DXK);
   dx.a2 = WS(MOK_WS_DU), dx.b2 = a->w.wu, dx.k2 = I;
@@ -196,7 +232,8 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
                                 WS(MOK_WS_AQ2), (float *)WS(MOK_WS_AQ_S), MOK_QW_WG_T, &dx,
                                 stream)) != MOK_SUCCESS)
     return r;
-  if ((r = mok_gpu_gemm(l, &dx, "mok_backward", "routed dx", stream)) != MOK_SUCCESS) return r;
+  if (!fused && (r = mok_gpu_gemm(l, &dx, "mok_backward", "routed dx", stream)) != MOK_SUCCESS)
+    return r;
 
   /* Shared expert: one group [0, T) of dy and x themselves, weight 1, no router gradient. */
   if (shared) {
@@ -228,10 +265,12 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     if ((r = mok_gpu_gemm(l, &sx, "mok_backward", "shared dx", stream)) != MOK_SUCCESS) return r;
   }
 
-  /* Weight gradients, reductions over each expert's rows in layout order. */
+  /* Weight gradients, reductions over each expert's rows in layout order (fused: the routed
+   * experts' in the kernel below). */
   float *stage = (float *)WS(MOK_WS_WGRAD32);
-  if ((r = mok_gpu_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), c->offsets, gr->dwd, stage,
-                         "routed down", stream)) != MOK_SUCCESS ||
+  if (fused) {
+  } else if ((r = mok_gpu_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), c->offsets, gr->dwd,
+                                stage, "routed down", stream)) != MOK_SUCCESS ||
       (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), c->offsets, gr->dwg, stage,
                          "routed gate", stream)) != MOK_SUCCESS ||
       (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), c->offsets, gr->dwu, stage,
@@ -253,9 +292,10 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
       if (e != cudaSuccess) return mok_gpu_cuda_fail(l, "mok_backward: cudaMemsetAsync", e);
     }
   }
+  if (fused) r = bwd_fused(l, a, gr, c, stream);
 #undef WS
 #undef CTX
-  return MOK_SUCCESS;
+  return r;
 }
 
 /* ---- the context check ------------------------------------------------------------------------ */
@@ -316,8 +356,10 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   mok_bwd_rows_t c;
   c.ctx = ctx, c.row_w = gp.row_w, c.offsets = p.offsets, c.shared_offsets = p.shared_offsets;
   c.gather = &gp; /* x's and dy's: fp8 layers copy their e4m3 rows */
+  c.reduce = &p;   /* the fused kernel reduces in it */
   if ((r = mok_gpu_backward_local(l, a, gr, &c, stream)) != MOK_SUCCESS) return r;
-  if ((r = mok_bwd_reduce_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
+  if (!mok_gpu_backward_fused(l) && (r = mok_bwd_reduce_launch(&p, stream)) != MOK_SUCCESS)
+    return mok_gpu_launcher_failed(l, r);
 #undef WS
   return MOK_SUCCESS;
 }

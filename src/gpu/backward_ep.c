@@ -90,6 +90,7 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   rows.row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
   rows.offsets = c.offsets, rows.shared_offsets = c.shared_offsets;
   rows.gather = NULL; /* the rows arrived through the transport */
+  rows.reduce = NULL; /* after the combine */
   if ((r = mok_gpu_backward_local(l, a, gr, &rows, stream)) != MOK_SUCCESS) return r;
 
   /* 6-7. The bf16 dxk rows and the router-weight gradients home; dx and dtopk_w there. */

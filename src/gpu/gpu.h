@@ -78,12 +78,22 @@ typedef struct {
    * once per token and copies the e4m3 rows (mok_fwd_gather_fp8_launch); NULL: it quantizes the
    * gathered bf16 rows xg, dyg */
   const struct mok_fwd_local_params *gather;
+  /* W = 1: the dx reduce's parameters, for the fused backward kernel to reduce in it; NULL: the
+   * caller reduces (expert parallel: after the combine) */
+  const mok_bwd_local_params_t *reduce;
 } mok_bwd_rows_t;
+
+/* 1 when l's backward runs the fused kernel (src/cuda/backward/fused.cu) for its routed experts'
+ * dxk and weight gradients (and, at W = 1, the dx reduce): the tuning's backward_path is
+ * MOK_BACKWARD_FUSED, the layer BF16, and its weight gradients not bf16 accumulated (those go
+ * through one fp32 staging region per gradient, in turn). */
+int mok_gpu_backward_fused(mok_layer_t l);
 
 /* The local chain of a backward (src/gpu/backward.c), W = 1 or one rank's part of an
  * expert-parallel one: RECOMPUTE's gate/up, ds, SwiGLU backward (a, dg, du, the rows' router
  * gradients in dw_row), bf16 dxk, the shared expert's dxs, and every weight gradient; dx and
- * dtopk_w are left to the caller's reduce. */
+ * dtopk_w are left to the caller's reduce, or, with c->reduce and mok_gpu_backward_fused, done by
+ * the fused kernel. */
 mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
                                    const mok_backward_args_t *gr, const mok_bwd_rows_t *c,
                                    void *stream);

@@ -115,7 +115,8 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
     if (res == MOK_SUCCESS &&
         (mok_ep_preload() != MOK_SUCCESS || mok_fwd_fused_preload() != MOK_SUCCESS ||
          mok_gg_preload() != MOK_SUCCESS || mok_gw_preload() != MOK_SUCCESS ||
-         mok_bwd_preload() != MOK_SUCCESS || mok_quant_preload() != MOK_SUCCESS))
+         mok_bwd_preload() != MOK_SUCCESS || mok_bwd_fused_preload() != MOK_SUCCESS ||
+         mok_quant_preload() != MOK_SUCCESS))
       res = mok_fail(NULL, MOK_ERROR_CUDA, "mok_layer_create: loading the kernels failed");
   }
   cudaSetDevice(prev);

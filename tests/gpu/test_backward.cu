@@ -1,10 +1,10 @@
 /*
- * test_backward.cu: the unfused GPU backward of a W = 1 BF16 layer (src/gpu/backward.c and its
- * kernels) against the CPU layer's forward + backward on the same inputs (tolerance:
+ * test_backward.cu: the GPU backward of a W = 1 BF16 layer (src/gpu/backward.c: the kernel chain,
+ * or its prologue and the fused kernel of src/cuda/backward/fused.cu) against the CPU layer's forward + backward on the same inputs (tolerance:
  * backward_test_util.cuh): dx, dtopk_w and every weight gradient, in both weight-gradient dtypes,
  * overwritten and accumulated; routing edge cases; bitwise run-to-run determinism; RECOMPUTE
  * equal to SAVE bitwise; CUDA graph capture; contexts that do not match, reported by
- * mok_layer_check. Every test skips without a GPU. Filter: `make test TESTS=bwd_gpu`.
+ * mok_layer_check; the fused backward kernel bitwise equal to the chain, on any grid. Every test skips without a GPU. Filter: `make test TESTS=bwd_gpu`.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -157,12 +157,15 @@ MOK_TEST(bwd_gpu_recompute_equals_save_bitwise) {
 // Forward + backward captured in a CUDA graph on a non-blocking stream (no host synchronization
 // inside either call), replayed with new routing in the same buffers: bitwise equal to the
 // uncaptured calls.
-MOK_TEST(bwd_gpu_cuda_graph_replays_with_new_routing) {
-  NEED_GPU();
+static void graph_case(mok_backward_path_t path) {
   bwd_problem_t p;
   bwd_problem_init(&p, 256, 128, 8, 2, 128, 100, 100);
   bwd_gpu_t g;
   MOK_REQUIRE(bwd_gpu_open(&g, &p));
+  mok_tuning_t tu;
+  MOK_REQUIRE(mok_layer_tuning(g.f.l, &tu) == MOK_SUCCESS);
+  tu.backward_path = path;
+  MOK_REQUIRE_MSG(mok_layer_set_tuning(g.f.l, &tu) == MOK_SUCCESS, "%s", mok_last_error());
   bwd_gpu_inputs(&g, &p);
   cudaStream_t s;
   MOK_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
@@ -186,12 +189,83 @@ MOK_TEST(bwd_gpu_cuda_graph_replays_with_new_routing) {
     bwd_gpu_inputs(&g, &p);
     MOK_EXPECT_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
     bwd_gpu_outputs(&g, &p, &od);
-    MOK_EXPECT_MSG(bwd_same(&og, &od), "graph replay %d differs from the direct calls", i);
+    MOK_EXPECT_MSG(bwd_same(&og, &od), "%s backward: graph replay %d differs from the direct "
+                   "calls", path == MOK_BACKWARD_FUSED ? "fused" : "chain", i);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
   bwd_gpu_close(&g);
+}
+
+MOK_TEST(bwd_gpu_cuda_graph_replays_with_new_routing) {
+  NEED_GPU();
+  graph_case(MOK_BACKWARD_CHAIN);
+  graph_case(MOK_BACKWARD_FUSED);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The fused backward kernel against the chain                                                     */
+/* ---------------------------------------------------------------------------------------------- */
+
+// p's forward + backward on a layer of its own with backward_path `path` and backward_sms `sms`
+// (the fused kernel's CTAs), the gradients into o. 1 when every call and check succeeded.
+static int bwd_run_path(bwd_problem_t *p, mok_backward_path_t path, int sms, bwd_out_t *o) {
+  bwd_gpu_t g;
+  if (!bwd_gpu_open(&g, p)) {
+    MOK_EXPECT_MSG(0, "creating the layer: %s", mok_last_error());
+    return 0;
+  }
+  mok_tuning_t t;
+  int ok = mok_layer_tuning(g.f.l, &t) == MOK_SUCCESS;
+  t.backward_path = path, t.backward_sms = sms;
+  ok = ok && mok_layer_set_tuning(g.f.l, &t) == MOK_SUCCESS;
+  if (ok) {
+    bwd_gpu_inputs(&g, p);
+    ok = bwd_gpu_run(&g, p, 0) == MOK_SUCCESS && mok_layer_check(g.f.l) == MOK_SUCCESS;
+  }
+  MOK_EXPECT_MSG(ok, "%s backward: %s", path == MOK_BACKWARD_CHAIN ? "chain" : "fused",
+                 mok_last_error());
+  if (ok) bwd_gpu_outputs(&g, p, o);
+  bwd_gpu_close(&g);
+  return ok;
+}
+
+// The fused kernel gives the chain's bits (dx, dtopk_w, every weight gradient) whatever its grid.
+static void fused_case(int64_t H, int64_t I, int64_t E, int64_t K, int64_t Is, int64_t T,
+                       test_route_t route, mok_wgrad_dtype_t wdt, int accumulate,
+                       mok_context_mode_t mode, const char *what) {
+  bwd_problem_t p;
+  bwd_problem_init(&p, H, I, E, K, Is, T, T);
+  fwd_route(&p.f, route);
+  bwd_set_wgrad(&p, wdt, accumulate);
+  p.f.mode = mode;
+  bwd_out_t chain;
+  if (!bwd_run_path(&p, MOK_BACKWARD_CHAIN, 0, &chain)) return;
+  const int grids[3] = {0, 7, 1};
+  for (int i = 0; i < 3; i++) {
+    bwd_out_t fused;
+    if (!bwd_run_path(&p, MOK_BACKWARD_FUSED, grids[i], &fused)) continue;
+    MOK_EXPECT_MSG(bwd_same(&fused, &chain), "%s: the fused backward on %d CTAs differs from the "
+                   "chain", what, grids[i]);
+  }
+}
+
+MOK_TEST(bwd_gpu_fused_equals_chain_bitwise) {
+  NEED_GPU();
+  const test_route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
+  const test_route_t one_expert = {0.0, 0, 5}, all_empty = {1.0, 0, -1}, full = {0.0, 0, -1};
+  const mok_wgrad_dtype_t F = MOK_WGRAD_FP32, B = MOK_WGRAD_BF16;
+  const mok_context_mode_t S = MOK_CONTEXT_SAVE, RC = MOK_CONTEXT_RECOMPUTE;
+  fused_case(256, 128, 8, 2, 0, 100, plain_route, F, 0, S, "I=128");
+  fused_case(512, 256, 16, 4, 128, 1000, plain_route, F, 0, S, "H=512 I=256 E=16 Is=128 T=1000");
+  fused_case(512, 256, 16, 4, 128, 1000, plain_route, B, 0, S, "bf16 weight gradients");
+  fused_case(512, 256, 16, 4, 128, 1000, plain_route, F, 1, S, "fp32, accumulated");
+  fused_case(256, 384, 8, 2, 128, 300, empty_experts, F, 0, RC, "empty experts, RECOMPUTE");
+  fused_case(256, 128, 8, 2, 128, 300, one_expert, B, 0, S, "every token to expert 5");
+  fused_case(256, 128, 8, 2, 128, 100, all_empty, F, 0, S, "every slot -1");
+  fused_case(384, 128, 8, 8, 0, 700, full, F, 0, S, "H=384 K=8 T=700");
+  fused_case(256, 128, 8, 2, 128, 257, full, F, 1, S, "T=257, accumulated");
 }
 
 /* ---------------------------------------------------------------------------------------------- */

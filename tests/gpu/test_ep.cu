@@ -573,6 +573,9 @@ static int ep_w1_backward(const bwd_problem_t *q, bwd_out_t *o) {
   return ok;
 }
 
+// The ranks' backward path in ep_bwd_case (the W = 1 references keep the default, the chain).
+static mok_backward_path_t ep_bwd_path = MOK_BACKWARD_CHAIN;
+
 // Forward + backward with W ranks holding tokens T[0..W-1] of p (rank order): dx, dtopk_w and
 // the routed experts' weight gradients bitwise the W = 1 layer's over all tokens; each rank's
 // shared-expert gradients bitwise a W = 1 layer's over that rank's tokens.
@@ -590,6 +593,13 @@ static int ep_bwd_case(const bwd_problem_t *p, int W, const int64_t *T, const ch
   if (!ep_open_backward(&t, p, W, T_max)) {
     MOK_EXPECT_MSG(0, "%s: the ranks' layers could not be created", what);
     return 0;
+  }
+  for (int r = 0; r < W; r++) {
+    mok_tuning_t tu;
+    const int tuned = mok_layer_tuning(t.l[r], &tu) == MOK_SUCCESS &&
+                      (tu.backward_path = ep_bwd_path, 1) &&
+                      mok_layer_set_tuning(t.l[r], &tu) == MOK_SUCCESS;
+    MOK_EXPECT_MSG(tuned, "%s: rank %d's backward path: %s", what, r, mok_last_error());
   }
   ep_inputs(&t, &p->f, T);
   ep_backward_inputs(&t, p, T);
@@ -654,6 +664,22 @@ MOK_TEST(ep_backward_equals_one_rank) {
   const test_route_t hot = {0.3, 0, 13};
   ep_bwd_problem(&p, 0, 300, hot);
   ep_bwd_case(&p, 2, two, "W = 2, no shared expert, a hot expert, 30% empty slots");
+}
+
+// The same with the fused backward kernel on every rank (src/cuda/backward/fused.cu on the
+// arrived rows, no reduce in it): bitwise the W = 1 layer's chain.
+MOK_TEST(ep_backward_fused_equals_one_rank) {
+  NEED_GPU();
+  bwd_problem_t p;
+  ep_bwd_problem(&p, 128, 300, test_route_uniform(0.1));
+  const int64_t two[2] = {211, 89}, zero[2] = {0, 300}, four[4] = {100, 0, 141, 59};
+  ep_bwd_path = MOK_BACKWARD_FUSED;
+  ep_bwd_case(&p, 2, two, "fused, W = 2, 211 + 89 tokens");
+  ep_bwd_case(&p, 2, zero, "fused, W = 2, rank 0 without tokens");
+  ep_bwd_case(&p, 4, four, "fused, W = 4, 100 + 0 + 141 + 59 tokens");
+  bwd_set_wgrad(&p, MOK_WGRAD_FP32, 1);
+  ep_bwd_case(&p, 4, four, "fused, W = 4, fp32 weight gradients accumulated");
+  ep_bwd_path = MOK_BACKWARD_CHAIN;
 }
 
 // fp8-block layers with W = 2 and 4 ranks: y, dx, dtopk_w and the routed weight gradients

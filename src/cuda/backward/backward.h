@@ -80,6 +80,37 @@ typedef struct {
 } mok_bwd_swiglu_params_t;
 mokResult_t mok_bwd_swiglu_launch(const mok_bwd_swiglu_params_t *p, void *stream);
 
+/* The fused backward (backward/fused.cu): the routed experts' dxk and weight gradients as one
+ * persistent kernel after the prologue of src/gpu/backward.c (which leaves xg, dyg, a, dg, du
+ * and dw_row in the workspace), and, with `reduce`, dx and dtopk_w (the dx reduce's parameters:
+ * slot_row, dxs, dw_row, dx, dtopk_w, T, K). BF16 operands; the weight gradients stored in fp32
+ * or bf16, or accumulated in fp32 (wgrad_epilogue: MOK_GG_EPI_STORE_F32, _STORE_BF16,
+ * _ACCUM_F32). Bitwise the chain's dxk GEMM, weight-gradient GEMMs and dx reduce, for any grid.
+ * Zeroes the first MOK_FC_GU counters on the stream, then launches one CTA per SM (num_sms > 0:
+ * at most that many). */
+typedef struct {
+  int64_t H, I, E, R;          /* hidden, intermediate, local experts, capacity rows */
+  const int32_t *status;       /* [1] the context check's verdict */
+  const int32_t *offsets;      /* [E + 1] */
+  const void *xg, *dyg;        /* [R, H] bf16 */
+  const void *a, *dg, *du;     /* [R, I] bf16 */
+  const void *wg, *wu;         /* [E, I, H] bf16 */
+  void *dxk;                   /* [R, H] bf16, written */
+  void *dwg, *dwu, *dwd;       /* [E, I, H], [E, I, H], [E, H, I] fp32 or bf16 */
+  int wgrad_epilogue;          /* mok_gg_epilogue_t, as above */
+  const mok_bwd_local_params_t *reduce; /* NULL: no dx reduce (expert parallel: after the combine) */
+  uint32_t *counters;          /* the workspace's MOK_FC_* counters */
+  int64_t n_counters;
+  void *err;                   /* mok_ws_error_t */
+  int num_sms;                 /* CTAs; 0 = every SM */
+  int tile_group_m;            /* the tuning's tile_group_m */
+  int lag_dw;                  /* expert stages from an expert's DX tiles to its DW tiles; 0 = by
+                                  the shape */
+  double timeout_s;            /* bound of the reduce's wait */
+} mok_bwd_fused_params_t;
+mokResult_t mok_bwd_fused_launch(const mok_bwd_fused_params_t *p, void *stream);
+mokResult_t mok_bwd_fused_preload(void);
+
 /* Loads the backward's own kernels now (the context check, SwiGLU backward, wgrad store), not at
  * their first launch (src/cuda/gemm/gemm.h, mok_gg_preload, says why). */
 mokResult_t mok_bwd_preload(void);

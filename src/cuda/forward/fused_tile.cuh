@@ -9,6 +9,7 @@
 #include "cuda/error_word.cuh"
 #include "cuda/forward/fused_params.cuh"
 #include "cuda/ptx/ptx.cuh"
+#include "cuda/tile/counters.cuh"
 // One tile task, as both roles see it (written once, so producer and consumers cannot disagree).
 typedef struct {
   int kind;
@@ -70,28 +71,13 @@ __device__ __forceinline__ fk_tile_t fk_describe(const fk_params_t &p, const fk_
   return d;
 }
 
-// Waits until counter `c` reaches `target` (acquire), or the timeout, or an abort.
+// Waits until counter `c` reaches `target` (tile/counters.cuh's bounded wait).
 // sleep_ns: between polls. The reduce's claims use 1000: they wait long (a band of shared-expert
 // tiles), from up to ~400 warps at once, on few counters; with 64 ns between polls DeepSeek-V3's
 // forward was 2.6-3.5% slower (docs/performance.md, "Fused forward: reduce helpers").
-__device__ __noinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task,
-                                     uint32_t sleep_ns = 64) {
-  uint32_t *ctr = p.counters;
-  uint32_t v = ptx_ld_acquire_gpu(ctr + c);
-  if (v >= target) return;
-  const uint64_t t0 = ptx_globaltimer_ns();
-  for (;;) {
-    __nanosleep(sleep_ns);
-    v = ptx_ld_acquire_gpu(ctr + c);
-    if (v >= target) return;
-    if (*(volatile uint32_t *)(ctr + MOK_FC_ABORT)) return;
-    if (ptx_globaltimer_ns() - t0 > p.timeout_ns) {
-      mok_ws_record_error((mok_ws_error_t *)p.err, MOK_ERROR_TIMEOUT, MOK_WS_ERR_TIMEOUT, task,
-                          c, v, target);
-      atomicExch(ctr + MOK_FC_ABORT, 1u);
-      return;
-    }
-  }
+__device__ __forceinline__ void fk_wait(const fk_params_t &p, int c, uint32_t target, int64_t task,
+                                        uint32_t sleep_ns = 64) {
+  tile_wait(p.counters, c, target, task, p.timeout_ns, p.err, sleep_ns);
 }
 
 #endif /* MOK_CUDA_FORWARD_FUSED_TILE_CUH */

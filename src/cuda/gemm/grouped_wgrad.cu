@@ -38,6 +38,7 @@
 
 #include "cuda/tile/epilogue.cuh"
 #include "cuda/gemm/gemm.h"
+#include "cuda/gemm/wgrad_tile.cuh"
 #include "cuda/ptx/ptx.cuh"
 #include "cuda/tile/barriers.cuh"
 #include "cuda/tile/pipeline.cuh"
@@ -68,17 +69,6 @@ typedef struct {
   int m_tiles, n_tiles; // ceil(N / 128), ceil(K / 256)
   void *c;              // [G, N, K] bf16 or fp32
 } gw_kernel_params_t;
-
-// An empty group's piece of C[g]: zeros from constants, so that no ordinary instruction writes the
-// wgmma accumulators (that would serialize the wgmma pipeline: ptxas warning C7515).
-template <int EPI>
-__device__ __forceinline__ void gw_store_zeros(void *c, size_t c_off, epi_coords_t e) {
-  float zero[128];
-#pragma unroll
-  for (int i = 0; i < 128; i++) zero[i] = 0.0f;
-  if (EPI == MOK_GG_EPI_STORE_BF16) epi_store_bf16<128>(zero, (__nv_bfloat16 *)c + c_off, e);
-  else epi_store_f32<128, false>(zero, (float *)c + c_off, e);
-}
 
 template <int EPI, int STAGES, int TMA_STORE>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
@@ -123,32 +113,15 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     float acc[128];                    // [64, 256] fragment of this warpgroup
     while (gw_sched_next(&sched, &tile)) {
       const int k_blocks = (tile.rows + GW_BK - 1) / GW_BK;
-      // C[g] as a [N, K] matrix: rows >= N and columns >= K are not stored.
-      const epi_coords_t e = epi_coords(tile.c_row0, p.n, tile.c_col0, p.k, p.k, cw);
-      const size_t c_off = (size_t)tile.group * (size_t)p.n * (size_t)p.k;
       if (k_blocks == 0) {  // empty group: zeros, or C[g] untouched when accumulating
-        if (EPI != MOK_GG_EPI_ACCUM_F32) gw_store_zeros<EPI>(p.c, c_off, e);
+        gw_store_zeros<EPI>(p.c, tile.group, p.n, p.k, tile.c_row0, tile.c_col0, cw);
         continue;
       }
       const int last_rows = tile.rows - (k_blocks - 1) * GW_BK;  // 1..64
       tp_consume_tile_wgrad_n256<STAGES>(&ring, smem, full, empty, k_blocks, last_rows, cw,
                                          acc);
-      const int c_row = tile.c_row0 + 64 * cw;  // first row of this warpgroup's piece in C[g]
-      if (TMA_STORE && c_row + 64 <= p.n) {     // all 64 rows inside C[g]: staged
-        const int row = tile.group * p.n + c_row;  // in the [G N, K] view (< 2^31: launcher)
-        if (EPI == MOK_GG_EPI_STORE_BF16) {
-          epi_store_staged_bf16<0, 0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
-          epi_store_staged_bf16<1, -1>(acc, stage_c + 16384, &tm_c, tile.c_col0, p.k, row,
-                                       MOK_BAR_GEMM_EPI + cw, lt);
-        } else {
-          epi_store_staged_f32<0>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
-          epi_store_staged_f32<1>(acc, stage_c, &tm_c, tile.c_col0, p.k, row, MOK_BAR_GEMM_EPI + cw, lt);
-        }
-      } else if (EPI == MOK_GG_EPI_STORE_BF16) {
-        epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c + c_off, e);
-      } else {
-        epi_store_f32<128, EPI == MOK_GG_EPI_ACCUM_F32>(acc, (float *)p.c + c_off, e);
-      }
+      gw_store_tile<EPI>(acc, stage_c, &tm_c, p.c, tile.group, p.n, p.k, tile.c_row0,
+                         tile.c_col0, cw, MOK_BAR_GEMM_EPI + cw, lt);
     }
     if (TMA_STORE && lt == 0) ptx_bulk_wait_group_all();  // stores done before the CTA retires
   }
