@@ -15,6 +15,7 @@
 #include "cuda/backward/fused_params.cuh"
 #include "cuda/gemm/gemm.h"
 #include "cuda/ptx/tma.cuh"
+#include "cuda/tile/launch.cuh"
 
 static int bk_a16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
@@ -106,29 +107,17 @@ extern "C" mokResult_t mok_bwd_fused_launch(const mok_bwd_fused_params_t *p, voi
     return mok_fail(NULL, MOK_ERROR_CUDA, "fused backward launch: encoding a TMA tensor map "
                     "failed (no CUDA driver with cuTensorMapEncodeTiled?)");
 
-  int device = 0, sms = 0, optin = 0, per_sm = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   const bk_kernel_fn kernel = bk_kernel(p->wgrad_epilogue);
   const size_t smem = bk_smem_bytes(E);
-  cudaFuncAttributes fa;
-  memset(&fa, 0, sizeof(fa));
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kernel);
-  if (e == cudaSuccess && smem + fa.sharedSizeBytes > (size_t)optin) e = cudaErrorInvalidValue;
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MOK_TP_THREADS, smem);
-  if (e == cudaSuccess && per_sm < 1) e = cudaErrorInvalidConfiguration;
+  int fits = 0, grid = 0;
+  cudaError_t e = tile_smem_fits((const void *)kernel, smem, &fits);
+  if (e == cudaSuccess && !fits) e = cudaErrorInvalidValue;
+  if (e == cudaSuccess) e = tile_persistent_grid((const void *)kernel, smem, p->num_sms, &grid);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return mok_fail(NULL, MOK_ERROR_CUDA, "fused backward launch: setting up %zu bytes of shared "
                     "memory per CTA (E = %lld): %s", smem, (long long)E, cudaGetErrorString(e));
   }
-  const int resident = sms * per_sm;
-  const int grid = p->num_sms > 0 && p->num_sms < resident ? p->num_sms : resident;
 
   e = cudaMemsetAsync(p->counters, 0, MOK_FC_GU * sizeof(uint32_t), (cudaStream_t)stream);
   if (e == cudaSuccess) {

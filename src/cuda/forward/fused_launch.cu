@@ -17,6 +17,7 @@
 #include "cuda/forward/fused_params.cuh"
 #include "cuda/gemm/gemm.h"
 #include "cuda/ptx/tma.cuh"
+#include "cuda/tile/launch.cuh"
 
 
 static int fk_a16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
@@ -153,32 +154,20 @@ extern "C" mokResult_t mok_fwd_fused_launch(const mok_fwd_fused_params_t *p, voi
 
   // Staged stores (fk_cfg) when their buffers fit next to the E + 1 prefix sums (E up to about
   // 480); else stores from registers.
-  int device = 0, sms = 0, per_sm = 0, optin = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  int staged = 1;
-  cudaFuncAttributes fa;
+  int staged = 1, fits = 0, grid = 0;
+  cudaError_t e = cudaSuccess;
   for (; e == cudaSuccess && staged > 0; staged--) {
-    memset(&fa, 0, sizeof(fa));
-    e = cudaFuncGetAttributes(&fa, fk_kernel(staged));
-    if (e == cudaSuccess && fk_smem_bytes(staged, E) + fa.sharedSizeBytes <= (size_t)optin) break;
+    e = tile_smem_fits((const void *)fk_kernel(staged), fk_smem_bytes(staged, E), &fits);
+    if (fits) break;
   }
   const fk_kernel_fn kernel = fk_kernel(staged);
   const size_t smem = fk_smem_bytes(staged, E);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, MOK_TP_THREADS, smem);
-  if (e == cudaSuccess && per_sm < 1) e = cudaErrorInvalidConfiguration;
+  if (e == cudaSuccess) e = tile_persistent_grid((const void *)kernel, smem, p->num_sms, &grid);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return mok_fail(NULL, MOK_ERROR_CUDA, "fused forward launch: setting up %zu bytes of shared "
                     "memory per CTA: %s", smem, cudaGetErrorString(e));
   }
-  const int resident = sms * per_sm;
-  const int grid = p->num_sms > 0 && p->num_sms < resident ? p->num_sms : resident;
   kp.lag = fk_lag(p, tu, grid);
   // Row tiles per band of the plan's blocks: by the size of an expert's gate and up weights.
   kp.group_m = mok_tile_group_m(tu->tile_group_m, 2 * I * H * 2);
