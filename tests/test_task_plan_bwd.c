@@ -351,7 +351,8 @@ MOK_TEST(bwd_plan_without_ds_is_dx_dw_then_reduce) {
     for (int64_t i = 0; i < n; i++) {
       const mok_task_t t = mok_bplan_task(&pb.plan, i);
       if (t.kind == MOK_BTASK_DX) last_dx = i;
-      if (t.kind == MOK_BTASK_DW_DOWN && t.expert == 7 && i < first_dw_of_last) first_dw_of_last = i;
+      if (t.kind == MOK_BTASK_DW_DOWN && t.expert == 7 && i < first_dw_of_last)
+        first_dw_of_last = i;
     }
     /* the kernel's BK_PAST_DX: every DX task lies before stage E + 1 */
     MOK_EXPECT_MSG(last_dx < mok_bplan_stage_start(&pb.plan, pb.plan.E + 1), "%s: a DX task at "

@@ -42,9 +42,9 @@
  * NOTE (deadlock freedom): no tile waits on anything (their inputs come from the prologue), and
  * only reduce warps wait, on MOK_FC_DOWN. Every consumer warpgroup publishes its DX count before
  * it reduces (at its REDUCE_DX tag at the latest), and reaches that point: its producer takes
- * tickets until they run out, waiting only for its own consumers to free stages. Tickets are taken only by running CTAs, so the launch
- * needs no co-residency (it is not cooperative). A wait that times out reports MOK_ERROR_TIMEOUT
- * and raises MOK_FC_ABORT (tile/counters.cuh).
+ * tickets until they run out, waiting only for its own consumers to free stages. Tickets are
+ * taken only by running CTAs, so the launch needs no co-residency (it is not cooperative). A wait
+ * that times out reports MOK_ERROR_TIMEOUT and raises MOK_FC_ABORT (tile/counters.cuh).
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -97,7 +97,8 @@ __device__ __forceinline__ mok_bwd_plan_t bk_make_plan(const bk_params_t &p, con
                                                        bool reduce) {
   mok_bwd_plan_t q;
   memset(&q, 0, sizeof(q));
-  const int32_t mi = (int32_t)((p.I + BK_BM - 1) / BK_BM), mh = (int32_t)((p.H + BK_BM - 1) / BK_BM);
+  const int32_t mi = (int32_t)((p.I + BK_BM - 1) / BK_BM);
+  const int32_t mh = (int32_t)((p.H + BK_BM - 1) / BK_BM);
   q.E = (int32_t)p.E;
   q.n_dx = (int32_t)((p.H + BK_BN - 1) / BK_BN);
   q.dwd_m = mh, q.dwd_n = (int32_t)((p.I + BK_BN - 1) / BK_BN);
@@ -111,7 +112,8 @@ __device__ __forceinline__ mok_bwd_plan_t bk_make_plan(const bk_params_t &p, con
 
 // Producer thread: a stage that carries only a tag (no data): the end, a REDUCE_DX task, or a DW
 // tile of an expert without rows. Its full barrier's one arrival completes the phase.
-__device__ __forceinline__ void bk_post(tp_ring_t *ring, uint64_t *full, uint64_t *empty, int4 tag) {
+__device__ __forceinline__ void bk_post(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
+                                        int4 tag) {
   ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
   tp_post_tag<bk_plan>(full, ring->stage, tag);
   ptx_mbar_arrive(&full[ring->stage]);
@@ -214,7 +216,8 @@ __device__ __forceinline__ void bk_reduce_claims(const bk_params_t &p,
     if (lane == 0) {
       t = (int64_t)atomicAdd(p.counters + MOK_FC_CLAIM, 1u);
       if (t < p.T && !ready)
-        tile_wait_inline(p.counters, MOK_FC_DOWN, target, reduce0 + t / BK_BM, p.timeout_ns, p.err, 1000);
+        tile_wait_inline(p.counters, MOK_FC_DOWN, target, reduce0 + t / BK_BM, p.timeout_ns,
+                         p.err, 1000);
     }
     t = __shfl_sync(0xffffffffu, t, 0);
     if (t >= p.T) return;

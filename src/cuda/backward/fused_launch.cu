@@ -66,7 +66,8 @@ extern "C" mokResult_t mok_bwd_fused_launch(const mok_bwd_fused_params_t *p, voi
   const int64_t H = p->H, I = p->I, E = p->E, R = p->R;
   // The chain's rules (the grouped GEMMs' and the reduce's): K blocks of 64, N-major B rows of 16
   // bytes, int32 TMA coordinates and rows.
-  if (H < 128 || I < 128 || H % 128 || I % 128 || E < 1 || R < 1 || E * (H > I ? H : I) >= (1ll << 31) ||
+  if (H < 128 || I < 128 || H % 128 || I % 128 || E < 1 || R < 1 ||
+      E * (H > I ? H : I) >= (1ll << 31) ||
       R >= (1ll << 31) ||
       (r && (r->T < 1 || r->K < 1 || r->K > MOK_MAX_TOP_K)))
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "fused backward launch: H = %lld, I = %lld, "

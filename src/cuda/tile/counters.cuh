@@ -18,8 +18,9 @@
 // runs to its end with wrong results instead of hanging. sleep_ns: between polls.
 // tile_wait_inline: the same, inlined, for kernels that trade registers between warpgroups
 // (setmaxnreg): ptxas could not allocate their registers around a call (C7600).
-__device__ __forceinline__ void tile_wait_inline(uint32_t *ctr, int c, uint32_t target, int64_t task,
-                                       uint64_t timeout_ns, void *err, uint32_t sleep_ns) {
+__device__ __forceinline__ void tile_wait_inline(uint32_t *ctr, int c, uint32_t target,
+                                                 int64_t task, uint64_t timeout_ns, void *err,
+                                                 uint32_t sleep_ns) {
   uint32_t v = ptx_ld_acquire_gpu(ctr + c);
   if (v >= target) return;
   const uint64_t t0 = ptx_globaltimer_ns();
