@@ -20,18 +20,20 @@
  *   REDUCE_DX   (b)        dx and dtopk_w of every token (forward/rows.cuh's sum), one warp per
  *                          token claimed from MOK_FC_CLAIM, once every DX tile is stored
  *
- * Mixing the tasks is the point: DX tiles are long reductions (2I) with few stores, DW tiles short
- * ones (an expert's rows) that store a whole fp32 tile each; run apart (the chain), the weight
- * gradients leave the tensor cores waiting on HBM writes.
+ * Mixing the tasks was the idea: DX tiles are long reductions (2I) with few stores, DW tiles short
+ * ones (an expert's rows) that store a whole fp32 tile each. Measured, the order does not matter
+ * and the kernel is 1.6-2.0% slower than the chain in forward + backward, so it is opt-in
+ * (tuning backward_path; docs/performance.md, "Fused backward: the first kernel"): the base for
+ * the DS tiles, the gathers and the expert-parallel dy dispatch and dxk combine.
  *
  * Roles, as in the fused forward (forward/fused.cu): one CTA per SM, 384 threads. Producer thread 0
- * takes tickets (MOK_FC_TICKET) in the plan's order, one task at a time, and loads its stages by
- * TMA, the first tagged with the task (tp_plan's tags). The two consumer warpgroups compute each
- * tile (rows 0-63 and 64-127 of it) with
- * the grouped GEMMs' mainloops (tile/pipeline.cuh: tp_consume_tile_bf16_n256 with N-major B,
- * tp_consume_tile_wgrad_n256) and store it through their staging buffers; the consumers of a CTA
- * whose ticket reaches REDUCE_DX then reduce. So every tile is computed as the chain computes it,
- * and the reduce is the chain's sum: the results are bitwise the chain's, for any grid size.
+ * takes tickets (MOK_FC_TICKET) in the plan's order, the next one as a task starts, and loads each
+ * task's stages by TMA, the first tagged with the task (tp_plan's tags). The two consumer
+ * warpgroups compute each tile (rows 0-63 and 64-127 of it) with the grouped GEMMs' mainloops
+ * (tile/pipeline.cuh: tp_consume_tile_bf16_n256 with N-major B, tp_consume_tile_wgrad_n256) and
+ * store it through their staging buffers; the consumers of a CTA whose ticket reaches REDUCE_DX
+ * then reduce. So every tile is computed as the chain computes it, and the reduce is the chain's
+ * sum: the results are bitwise the chain's, for any grid size.
  *
  * Counters (the fused forward's MOK_FC_* region, its first words zeroed before the launch):
  *   MOK_FC_DOWN   DX tiles stored: each consumer warpgroup adds its count once, at its first task
