@@ -268,13 +268,13 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   /* Weight gradients, reductions over each expert's rows in layout order (fused: the routed
    * experts' in the kernel below). */
   float *stage = (float *)WS(MOK_WS_WGRAD32);
-  if (fused) {
-  } else if ((r = mok_gpu_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), c->offsets, gr->dwd,
-                                stage, "routed down", stream)) != MOK_SUCCESS ||
-      (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), c->offsets, gr->dwg, stage,
-                         "routed gate", stream)) != MOK_SUCCESS ||
-      (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), c->offsets, gr->dwu, stage,
-                         "routed up", stream)) != MOK_SUCCESS)
+  if (!fused &&
+      ((r = mok_gpu_wgrad(l, E, R, H, I, WS(MOK_WS_DYG), WS(MOK_WS_A), c->offsets, gr->dwd, stage,
+                          "routed down", stream)) != MOK_SUCCESS ||
+       (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DG), WS(MOK_WS_XG), c->offsets, gr->dwg, stage,
+                          "routed gate", stream)) != MOK_SUCCESS ||
+       (r = mok_gpu_wgrad(l, E, R, I, H, WS(MOK_WS_DU), WS(MOK_WS_XG), c->offsets, gr->dwu, stage,
+                          "routed up", stream)) != MOK_SUCCESS))
     return r;
   if (shared) {
     if ((r = mok_gpu_wgrad(l, 1, T, H, Is, gr->dy, WS(MOK_WS_AS), c->shared_offsets, gr->dwsd,
