@@ -567,6 +567,8 @@ def main():
                       f"{r.get('ceiling_ratio', float('nan')):8.3f}" +
                       "".join(f" | {k[8:-3]} {v:.3f}" for k, v in r.items()
                               if k.startswith("variant_") and k.endswith("_ms")) +
+                      "".join(f" | {k[:-3]} {v:.3f}" for k, v in r.items()
+                              if k.startswith("bwd_") and k.endswith("_ms")) +
                       "".join(f" | {k[4:-3]} {v:.3f}" for k, v in r.items()
                               if k.startswith("mok_lib_b")))
         torch.cuda.empty_cache()
