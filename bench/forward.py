@@ -45,8 +45,8 @@ libmok_bench.so) are loaded through the binding too, and timed through the publi
 own defaults: no tuning calls on them.
 
 --profile also prints the device time of every kernel of the fused forward, the chain, the
-pipeline, each --variant / --lib-b and MoK's forward + backward step (torch.profiler, mean of a
-few launches). (The fused
+pipeline, each --variant / --lib-b and MoK's forward + backward step, with the chain backward and
+with the fused one (torch.profiler, mean of a few launches). (The fused
 kernel's task trace is gone; docs/performance.md, "Fused forward: where the time goes", keeps
 what it showed.)
 
@@ -497,6 +497,8 @@ def run_case(model, args, gen):
                     baseline_mem_bytes=torch.cuda.max_memory_allocated(dev) - start)
         if args.profile:
             print_kernel_times(model, "fwd+bwd", mok_step)
+            if "bwd_fused_ms" in bwd_fused:  # the same step with the fused backward kernel
+                print_kernel_times(model, "fwd+bwd, fused backward", bwd_fused["bwd_fused_ms"])
     rows.append(brow)
     layer.close()
     return rows
