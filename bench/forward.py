@@ -54,7 +54,10 @@ what it showed.)
 (variant_NAME_ms), after checking that its y is the chain's bits too. FIELDs are
 mok_bench_layer_tune's names of src/common/tuning.h: forward_path (0 fused, 1 chain),
 forward_sms, fused_lag, fused_shared_band, fused_help_pct, tile_group_m (0 = by B's size against
-the L2, -1 = none, n), timeout_s. Example: --variant lag2:fused_lag=2,fused_help_pct=100
+the L2, -1 = none, n), timeout_s. Example: --variant lag2:fused_lag=2,fused_help_pct=100. A
+variant of only backward_* fields (backward_sms, backward_lag) instead times the forward +
+backward case's fused backward step with those values (bwd_variant_NAME_ms), after checking its
+gradients' bits. Example: --variant lagE:backward_lag=1000
 
 --lib-b PATH[,PATH...] times the fused forward of other libmok.so builds in the same rounds
 (mok_lib_b_ms, mok_lib_b2_ms, ...), after checking that each gives the chain's bits: an A/B of
