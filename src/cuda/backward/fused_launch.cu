@@ -19,10 +19,9 @@
 
 static int bk_a16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
-// The plan's lag_dw by the shape: an expert's DW tiles come lag_dw expert stages after its DX
-// tiles, so that the last stages hold only DW tiles, under which the reduce runs (it waits for
-// every DX tile). E / 16 experts of DW tiles take about as long as the reduce at the benchmark
-// shapes (docs/performance.md, "Fused backward").
+// The plan's lag_dw: an expert's DW tiles come lag_dw expert stages after its DX tiles, so that
+// the two kinds of tile mix on the SMs. By default E / 16; 1 and E measured the same within 1%
+// (docs/performance.md, "Fused backward: the first kernel").
 static int32_t bk_lag_dw(int64_t E, int requested) {
   int64_t lag = requested > 0 ? requested : E / 16;
   if (lag < 1) lag = 1;
