@@ -197,6 +197,20 @@ const char *mok_layer_last_error(mok_layer_t layer);
  * written by no forward), later forwards run normally, and the first such error waits in the
  * layer until this call reports it, with the (token, slot) and id at fault in the message. */
 mokResult_t mok_layer_check(mok_layer_t layer);
+/* After MOK_ERROR_TIMEOUT on an expert-parallel layer (a rank that did not make the same calls in
+ * time), the ranks' counters are out of step and every call on the layer is refused. This puts
+ * them back in step without creating the layer again. Collective: every rank of the layer's
+ * communicator calls it, once per recovery, in any order and from one thread or several (the
+ * same as any call); then every rank calls mok_layer_check, which reports MOK_SUCCESS once all
+ * ranks have joined, and the layer is usable again. Stream-ordered on `stream`: it waits for
+ * this rank's earlier work there, then (bounded by the layer's timeout) for every rank; errors
+ * that no check has reported yet are dropped. The call that timed out is lost on every rank:
+ * its y or gradients are wrong (also on a rank whose late call reported nothing), and a forward
+ * that timed out leaves its context refused by the backward. If a rank does not join in time, that
+ * check reports MOK_ERROR_TIMEOUT naming it and the layer stays unusable: destroy it and create
+ * another. Layers on one rank, and CPU layers, have nothing to recover: MOK_SUCCESS. Added
+ * after version 0.2.0. */
+mokResult_t mok_layer_recover(mok_layer_t layer, mok_stream_t stream);
 
 /* Bytes of device (or host, on the CPU) workspace the layer holds for its lifetime. */
 mokResult_t mok_layer_workspace_size(mok_layer_t layer, size_t *bytes);

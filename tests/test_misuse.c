@@ -87,6 +87,7 @@ MOK_TEST(misuse_pointers_that_never_were_handles) {
     MOK_EXPECT(((const unsigned char *)g_junk)[i] == 0x5A);
   memset(g_junk, 0, sizeof(g_junk));
   MOK_EXPECT(mok_layer_check(l) == MOK_ERROR_INVALID_VALUE);
+  MOK_EXPECT(mok_layer_recover(l, NULL) == MOK_ERROR_INVALID_VALUE);
   MOK_EXPECT(mok_comm_rank(c, &v) == MOK_ERROR_INVALID_VALUE);
 }
 
@@ -98,6 +99,7 @@ MOK_TEST(misuse_null_arguments_everywhere) {
   MOK_EXPECT(mok_comm_size(NULL, &v) == MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(mok_comm_device(NULL, &v) == MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(mok_layer_check(NULL) == MOK_ERROR_NULL_POINTER && msg_has("layer is NULL"));
+  MOK_EXPECT(mok_layer_recover(NULL, NULL) == MOK_ERROR_NULL_POINTER && msg_has("layer is NULL"));
   MOK_EXPECT(mok_layer_workspace_size(NULL, &n) == MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(mok_context_size(NULL, &n) == MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(mok_quantized_weights_size(NULL, &n) == MOK_ERROR_NULL_POINTER);
@@ -112,6 +114,7 @@ MOK_TEST(misuse_null_arguments_everywhere) {
   MOK_EXPECT(mok_context_size(l, NULL) == MOK_ERROR_NULL_POINTER && msg_has("bytes"));
   MOK_EXPECT(mok_quantized_weights_size(l, NULL) == MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(strstr(mok_layer_last_error(l), "bytes") != NULL); /* the layer keeps the detail */
+  MOK_EXPECT(mok_layer_recover(l, NULL) == MOK_SUCCESS); /* a CPU layer: nothing to recover */
   MOK_EXPECT(mok_quantize_host(NULL, 1, 1, 1, 1, MOK_QUANT_FP32_SCALE, NULL, NULL) ==
              MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(mok_dequantize_host(NULL, NULL, 1, 1, 1, 1, MOK_QUANT_FP32_SCALE, NULL) ==

@@ -174,6 +174,12 @@ class Layer:
         overflow); synchronizes with the stream of the last forward. A no-op on the CPU."""
         check(self._lib.mok_layer_check(self._layer))
 
+    def recover(self, stream=None):
+        """After a MokError of MOK_ERROR_TIMEOUT on an expert-parallel layer: puts the ranks'
+        counters back in step (collective: every rank calls recover, then every rank calls
+        check, which succeeds once all have joined). A no-op for one rank and on the CPU."""
+        check(self._lib.mok_layer_recover(self._layer, stream))
+
     def _size(self, fn):
         n = ctypes.c_size_t()
         check(fn(self._layer, ctypes.byref(n)))

@@ -100,6 +100,7 @@ def load():
         "mok_layer_create": ([ctypes.POINTER(vp), vp, ctypes.POINTER(LayerDesc)], res),
         "mok_layer_destroy": ([vp], res),
         "mok_layer_check": ([vp], res),
+        "mok_layer_recover": ([vp, vp], res),
         "mok_layer_workspace_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
         "mok_context_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),
         "mok_quantized_weights_size": ([vp, ctypes.POINTER(ctypes.c_size_t)], res),

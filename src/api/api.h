@@ -98,6 +98,7 @@ size_t mok_gpu_context_bytes(mok_layer_t l);
 mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
                             mok_stream_t stream);
 mokResult_t mok_gpu_check(mok_layer_t l);
+mokResult_t mok_gpu_recover(mok_layer_t l, mok_stream_t stream);
 /* GPU backward (src/gpu/backward.c), W = 1 BF16 like the forward. */
 mokResult_t mok_gpu_backward(mok_layer_t l, const mok_forward_args_t *a,
                              const mok_backward_args_t *g, const void *ctx, mok_stream_t stream);

@@ -159,6 +159,12 @@ mokResult_t mok_layer_check(mok_layer_t layer) {
   return is_gpu(layer) ? mok_gpu_check(layer) : MOK_SUCCESS;
 }
 
+mokResult_t mok_layer_recover(mok_layer_t layer, mok_stream_t stream) {
+  LAYER_ENTRY(layer, "mok_layer_recover");
+  /* Only expert-parallel GPU layers share counters with other ranks. */
+  return is_gpu(layer) ? mok_gpu_recover(layer, stream) : MOK_SUCCESS;
+}
+
 mokResult_t mok_layer_workspace_size(mok_layer_t layer, size_t *bytes) {
   LAYER_ENTRY(layer, "mok_layer_workspace_size");
   if (!bytes)

@@ -374,6 +374,28 @@ done:
   return res;
 }
 
+/* After a timeout (include/mok.h): the transport's collective recovery on `stream`, the layer's
+ * error word cleared before it; mok_gpu_check confirms it. A layer without a transport (W = 1)
+ * has no counters shared with other ranks: nothing to do. */
+mokResult_t mok_gpu_recover(mok_layer_t l, mok_stream_t stream) {
+  if (!l->gpu || !l->gpu->ws || !l->gpu->tp) return MOK_SUCCESS;
+  int prev;
+  mokResult_t res = mok_gpu_enter(l, &prev);
+  if (res != MOK_SUCCESS) return res;
+  void *word = l->gpu->ws + l->gpu->lay.ws[MOK_WS_ERROR];
+  cudaError_t ce = cudaMemsetAsync(word, 0, sizeof(mok_ws_error_t), (cudaStream_t)stream);
+  if (ce != cudaSuccess) {
+    res = mok_gpu_cuda_fail(l, "mok_layer_recover: cudaMemsetAsync", ce);
+  } else if ((res = mok_transport_recover(l->gpu->tp, stream)) != MOK_SUCCESS) {
+    res = mok_gpu_launcher_failed(l, res);
+  } else {
+    l->gpu->last_stream = stream;
+    l->gpu->ran = 1;
+  }
+  cudaSetDevice(prev);
+  return res;
+}
+
 #else /* !MOK_WITH_CUDA: no GPU layer can exist (mok_comm_create_local reports NO_DEVICE) */
 
 mokResult_t mok_gpu_layer_create(mok_layer_t l) {
@@ -388,5 +410,6 @@ size_t mok_gpu_context_bytes(mok_layer_t l) {
   return lay.ctx_bytes;
 }
 mokResult_t mok_gpu_check(mok_layer_t l) { (void)l; return MOK_SUCCESS; }
+mokResult_t mok_gpu_recover(mok_layer_t l, mok_stream_t s) { (void)l, (void)s; return MOK_SUCCESS; }
 
 #endif /* MOK_WITH_CUDA */

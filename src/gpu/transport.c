@@ -5,7 +5,8 @@
  * the decoding of kernel errors into messages.
  *
  * One transport = one symmetric window of
- *   flags [2, W] u64 | disp_ctr [W] u64 | comb_ctr [W] u64 | slots [2, W, E + W + 4] int32 |
+ *   flags [2, W] u64 | disp_ctr [W] u64 | comb_ctr [W] u64 | rec [W] u64 |
+ *   slots [2, W, E + W + 4] int32 |
  *   recv_x [W * T_max, H] bf16 | recv_meta [W * T_max, K + 1] int32 | comb [T_max, K, H] bf16 |
  *   row_w, row_src [W * T_max * K] | recv_x2 [W * T_max, H] | comb_w [T_max, K] (layers only:
  *   each row's router weight and token source; the backward's dy rows and router gradients)
@@ -42,6 +43,9 @@ struct mok_transport {
   const int32_t *topk_idx;
   void *last_stream;
   mokResult_t broken;    /* a timeout left the counters out of step: every call fails */
+  int recovering;        /* mok_transport_recover enqueued, not yet confirmed by a check */
+  int lost;              /* a recovery timed out: the transport stays unusable */
+  uint64_t recoveries;   /* recoveries enqueued (the recovery kernel's generation) */
 };
 
 static mokResult_t tp_cuda(const char *call, cudaError_t e) {
@@ -68,6 +72,7 @@ static void tp_window_layout(const mok_transport_desc_t *d, int W, mok_tp_window
   wl->flags = off, off = tp_align(off + 2 * (size_t)W * 8);
   wl->disp_ctr = off, off = tp_align(off + (size_t)W * 8);
   wl->comb_ctr = off, off = tp_align(off + (size_t)W * 8);
+  wl->rec = off, off = tp_align(off + (size_t)W * 8);
   wl->slots = off, off = tp_align(off + 2 * (size_t)W * (size_t)wl->slot_ints * 4);
   wl->recv_x = off, off = tp_align(off + (size_t)W * T * H * 2);
   wl->recv_meta = off, off = tp_align(off + (size_t)W * T * (K + 1) * 4);
@@ -271,10 +276,20 @@ static void tp_params(const mok_transport_t t, mok_tp_params_t *p) {
 }
 
 static mokResult_t tp_usable(const mok_transport_t t, const char *fn) {
+  if (t->lost)
+    return mok_fail(NULL, MOK_ERROR_TIMEOUT,
+                    "%s: a recovery of this transport timed out (a rank did not join it); it "
+                    "stays unusable: destroy it and create another",
+                    fn);
+  if (t->recovering)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "%s: a recovery is pending; the check after it (on every rank) makes the "
+                    "transport usable again",
+                    fn);
   if (t->broken)
     return mok_fail(NULL, t->broken,
                     "%s: an earlier wait of this transport timed out; its counters are out of "
-                    "step with the other ranks: destroy it and create another",
+                    "step with the other ranks: recover it on every rank, then check it",
                     fn);
   return MOK_SUCCESS;
 }
@@ -379,9 +394,21 @@ mokResult_t mok_transport_check(mok_transport_t t) {
   mok_tp_error_t e;
   TP_CUDA_GOTO(cudaStreamSynchronize((cudaStream_t)t->last_stream), res, done);
   TP_CUDA_GOTO(cudaMemcpy(&e, t->err, sizeof e, cudaMemcpyDeviceToHost), res, done);
-  if (e.code == 0) goto done;
+  if (e.code == 0) {
+    if (t->recovering) t->recovering = 0, t->broken = MOK_SUCCESS;  /* every rank joined */
+    goto done;
+  }
   TP_CUDA_GOTO(cudaMemset(t->err, 0, sizeof e), res, done);
-  if (e.code == MOK_ERROR_TIMEOUT) {
+  if (t->recovering) {
+    /* Only the recovery kernel ran since it cleared the word: a rank did not join in time. */
+    t->recovering = 0, t->lost = 1;
+    res = mok_fail(NULL, MOK_ERROR_TIMEOUT,
+                   "rank %d: rank %d did not join the recovery within %.0f ms (every rank must "
+                   "recover; recovery flag at %llu, target %llu); the transport stays unusable: "
+                   "destroy it and create another",
+                   e.rank, e.peer, 1e3 * t->d.timeout_s, (unsigned long long)e.value,
+                   (unsigned long long)e.target);
+  } else if (e.code == MOK_ERROR_TIMEOUT) {
     t->broken = MOK_ERROR_TIMEOUT;
     res = mok_fail(NULL, MOK_ERROR_TIMEOUT,
                    "rank %d, SM %d: waited %.0f ms for the %s of rank %d: value %llu, target %llu "
@@ -405,6 +432,29 @@ mokResult_t mok_transport_check(mok_transport_t t) {
     res = mok_fail(NULL, (mokResult_t)e.code, "transport kernel error on rank %d", e.rank);
   }
 done:
+  cudaSetDevice(prev);
+  return res;
+}
+
+mokResult_t mok_transport_recover(mok_transport_t t, void *stream) {
+  if (!t) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "mok_transport_recover: t is NULL");
+  if (t->lost)
+    return mok_fail(NULL, MOK_ERROR_TIMEOUT,
+                    "mok_transport_recover: an earlier recovery timed out (a rank did not join "
+                    "it); destroy the transport and create another");
+  int prev = 0;
+  mokResult_t res = tp_enter(t, &prev);
+  if (res != MOK_SUCCESS) return res;
+  mok_tp_params_t p;
+  tp_params(t, &p);
+  res = mok_tp_recover_launch(&p, t->recoveries + 1, stream);
+  if (res != MOK_SUCCESS) {
+    res = mok_fail(NULL, res, "mok_transport_recover: the recovery kernel failed to launch");
+  } else {
+    t->recoveries++;
+    t->recovering = 1;
+    t->last_stream = stream;
+  }
   cudaSetDevice(prev);
   return res;
 }
@@ -485,6 +535,10 @@ mokResult_t mok_transport_run(mok_transport_t t, int ph, const void *x, void *y,
   return tp_absent();
 }
 mokResult_t mok_transport_check(mok_transport_t t) { (void)t; return tp_absent(); }
+mokResult_t mok_transport_recover(mok_transport_t t, void *s) {
+  (void)t, (void)s;
+  return tp_absent();
+}
 mokResult_t mok_transport_view(mok_transport_t t, mok_transport_view_t *v) {
   (void)t, (void)v;
   return tp_absent();

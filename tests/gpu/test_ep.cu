@@ -466,6 +466,76 @@ MOK_TEST(ep_rank_that_never_arrives_times_out) {
   ep_close(&t);
 }
 
+// After a timeout, mok_layer_recover on every rank and then a check on each make the layers
+// usable again without creating them anew: when rank 1 stayed away from the call that timed
+// out, and when it made that call late (after rank 0 had given up). Calls are refused between
+// the timeout and the recovery's check; after it, two forwards in a row are bitwise the W = 1
+// layer's. Last, a recovery that rank 1 does not join: rank 0's check reports MOK_ERROR_TIMEOUT
+// naming rank 1 within the bound, and the layer refuses calls from then on.
+MOK_TEST(ep_recovers_after_a_timeout) {
+  NEED_GPU();
+  fwd_problem_t p;
+  ep_problem(&p, 64, 128, test_route_uniform(0.1));
+  const int64_t T[2] = {64, 64};
+  const std::vector<uint16_t> ref = ep_reference_y(&p, 128);
+  ep_team_t t;
+  MOK_REQUIRE(ep_open(&t, &p, 2, 64, 0.5));
+  mokResult_t res[2], chk[2];
+  char msg[2][MOK_ERR_LEN];
+  for (int late = 0; late < 2; late++) {
+    const char *what = late ? "rank 1 late" : "rank 1 away";
+    ep_inputs(&t, &p, T);
+    ep_forward(&t, T, res, 1);  // rank 0 alone: its waits time out
+    cudaStreamSynchronize(t.s[0]);
+    if (late) {
+      const mok_forward_args_t a = ep_rank_args(&t, 1, T[1]);
+      res[1] = mok_forward(t.l[1], &a, t.y[1], t.ctx[1], t.ctx_bytes, (mok_stream_t)t.s[1]);
+      MOK_EXPECT_MSG(res[1] == MOK_SUCCESS, "%s: rank 1's late call: %s", what, mok_last_error());
+    }
+    ep_check(&t, chk, msg);
+    MOK_EXPECT_MSG(chk[0] == MOK_ERROR_TIMEOUT && strstr(msg[0], "rank 1"), "%s: rank 0: %s", what,
+                   msg[0]);
+    printf("    %s: rank 0: %s; rank 1: %s\n", what, msg[0], chk[1] ? msg[1] : "no error");
+    const mok_forward_args_t a0 = ep_rank_args(&t, 0, T[0]);
+    const mokResult_t refused =
+        mok_forward(t.l[0], &a0, t.y[0], t.ctx[0], t.ctx_bytes, (mok_stream_t)t.s[0]);
+    MOK_EXPECT_MSG(refused == MOK_ERROR_TIMEOUT && strstr(mok_last_error(), "recover"),
+                   "%s: a forward before the recovery: %s", what, mok_last_error());
+    for (int r = 0; r < 2; r++) {
+      const mokResult_t rr = mok_layer_recover(t.l[r], (mok_stream_t)t.s[r]);
+      MOK_EXPECT_MSG(rr == MOK_SUCCESS, "%s: rank %d's recover: %s", what, r, mok_last_error());
+    }
+    ep_check(&t, chk, msg);
+    MOK_EXPECT_MSG(chk[0] == MOK_SUCCESS && chk[1] == MOK_SUCCESS, "%s: recovery: %s / %s", what,
+                   msg[0], msg[1]);
+    for (int call = 0; call < 2; call++) {
+      ep_inputs(&t, &p, T);
+      ep_forward(&t, T, res, -1);
+      ep_check(&t, chk, msg);
+      MOK_EXPECT_MSG(res[0] == MOK_SUCCESS && res[1] == MOK_SUCCESS && chk[0] == MOK_SUCCESS &&
+                         chk[1] == MOK_SUCCESS,
+                     "%s: call %d after the recovery: %s / %s", what, call, msg[0], msg[1]);
+      MOK_EXPECT(ep_same_as_w1(&t, ref, T, what));
+    }
+  }
+  // A recovery that rank 1 does not join.
+  const double t0 = test_now_s();
+  MOK_EXPECT(mok_layer_recover(t.l[0], (mok_stream_t)t.s[0]) == MOK_SUCCESS);
+  cudaStreamSynchronize(t.s[0]);
+  const double sec = test_now_s() - t0;
+  chk[0] = mok_layer_check(t.l[0]);
+  snprintf(msg[0], MOK_ERR_LEN, "%s", mok_last_error());
+  MOK_EXPECT_MSG(chk[0] == MOK_ERROR_TIMEOUT && strstr(msg[0], "rank 1 did not join"),
+                 "rank 0: %s", msg[0]);
+  MOK_EXPECT_MSG(sec < 5.0, "rank 0's recovery took %.1f s with a 0.5 s bound", sec);
+  const mok_forward_args_t a0 = ep_rank_args(&t, 0, T[0]);
+  MOK_EXPECT_MSG(mok_forward(t.l[0], &a0, t.y[0], t.ctx[0], t.ctx_bytes, (mok_stream_t)t.s[0]) ==
+                     MOK_ERROR_TIMEOUT && strstr(mok_last_error(), "destroy"),
+                 "a forward after the failed recovery: %s", mok_last_error());
+  printf("    unjoined recovery after %.2f s: %s\n", sec, msg[0]);
+  ep_close(&t);
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Backward                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */

@@ -62,7 +62,8 @@ typedef enum {
   MOK_TP_WAIT_NONE = 0,
   MOK_TP_WAIT_LAYOUT = 1,   /* layout flag of a source rank: its counts are in our window */
   MOK_TP_WAIT_DISPATCH = 2, /* dispatch counter of a source rank: its token rows have landed */
-  MOK_TP_WAIT_COMBINE = 3   /* combine counter of an expert rank: its result rows have landed */
+  MOK_TP_WAIT_COMBINE = 3,  /* combine counter of an expert rank: its result rows have landed */
+  MOK_TP_WAIT_RECOVER = 4   /* recovery flag of a rank: it has joined mok_transport_recover */
 } mok_tp_counter_t;
 
 /* The first failure a kernel saw; `code` is 0 while there is none. For a timeout: who waited
@@ -117,9 +118,16 @@ mokResult_t mok_transport_layout(mok_transport_t t, int64_t num_tokens, const in
  * a REDUCE-only call sums what the last COMBINE brought home (x is read again). */
 mokResult_t mok_transport_run(mok_transport_t t, int phases, const void *x, void *y, void *stream);
 /* Synchronizes with the last stream used and reports a kernel error (clearing it): the detail
- * names rank, SM, counter, value and target. A timeout leaves the transport unusable (every
- * later call returns MOK_ERROR_TIMEOUT); destroy it and create another. */
+ * names rank, SM, counter, value and target. A timeout leaves the counters out of step with the
+ * other ranks': every later call returns MOK_ERROR_TIMEOUT until mok_transport_recover. */
 mokResult_t mok_transport_check(mok_transport_t t);
+/* Collective (every rank calls it, in any order, from one thread or many): puts every rank's
+ * counters back in step after a timeout. Stream-ordered: on `stream`, after this rank's earlier
+ * work there, one CTA waits (bounded by the timeout) until every rank has joined, zeroes this
+ * rank's counters and call numbers, and waits until every rank has. Errors not yet reported
+ * are dropped. Calls are refused until mok_transport_check confirms the recovery; a recovery
+ * that a rank did not join reports MOK_ERROR_TIMEOUT there and the transport stays unusable. */
+mokResult_t mok_transport_recover(mok_transport_t t, void *stream);
 
 /* Device buffers of the last layout and run, for tests (shapes per rank, W ranks). */
 typedef struct {
@@ -148,6 +156,8 @@ typedef struct {
   size_t flags;     /* [2, W] u64 layout flags, by call parity and source rank */
   size_t disp_ctr;  /* [W] u64 dispatch counters, by source rank */
   size_t comb_ctr;  /* [W] u64 combine counters, by expert rank */
+  size_t rec;       /* [W] u64 recovery flags, by rank: 2g - 1 joined, 2g zeroed in recovery g
+                       (never zeroed) */
   size_t slots;     /* [2, W, slot_ints] int32 all-gathered counts, by parity and source rank */
   size_t recv_x;    /* [W * T_max, H] bf16 received tokens */
   size_t recv_meta; /* [W * T_max, K + 1] int32 */
@@ -230,6 +240,8 @@ mokResult_t mok_tp_layout_launch(const mok_tp_params_t *p, void *stream);
 /* Shared memory the layout kernel needs for E experts and W ranks (its one CTA). */
 size_t mok_tp_layout_smem_bytes(int64_t num_experts, int nranks);
 mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream);
+/* The recovery kernel of mok_transport_recover: recovery number `gen` (1, 2, ...). */
+mokResult_t mok_tp_recover_launch(const mok_tp_params_t *p, uint64_t gen, void *stream);
 
 /* ---- expert-parallel layers (src/cuda/comm/ep.cu): the layer's forward around the transport --- */
 

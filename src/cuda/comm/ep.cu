@@ -285,6 +285,11 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
 // slot's row from this rank's yk (expert here) or from comb (combined home). A warp per token.
 __global__ void __launch_bounds__(EP_THREADS)
     ep_reduce_kernel(const __grid_constant__ mok_tp_params_t p) {
+  // A forward whose waits timed out (the combine came after them) has wrong rows: its context
+  // must not serve a backward (mok_layer_recover's contract).
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.ctx_header &&
+      *(volatile int32_t *)&p.err->code == MOK_ERROR_TIMEOUT)
+    ((mok_ctx_header_t *)p.ctx_header)->magic = 0;
   if (!*p.status) return;
   const int lane = threadIdx.x & 31;
   const int64_t K = p.K, H8 = p.H / 8;

@@ -216,6 +216,63 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
   if (comb) tp_epoch_end(p, TP_EPOCH_COMBINE, comb_epoch);
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Recovery after a timeout                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Lane s < W waits until rec[s] of this rank's window is at least v (rank s has reached that
+// step of the recovery); 0 in every lane when a wait timed out (recorded with the rank).
+__device__ __forceinline__ int tp_recover_wait(const mok_tp_params_t &p, uint64_t v) {
+  int ok = 1;
+  if (threadIdx.x < (unsigned)p.nranks) {
+    const uint64_t *rec = (const uint64_t *)(p.peer[p.rank] + p.win.rec);
+    ok = tp_wait_geq(rec + threadIdx.x, v, p, MOK_TP_WAIT_RECOVER, threadIdx.x);
+  }
+  return __all_sync(0xffffffffu, ok);
+}
+
+// Writes v into rec[this rank] of every rank's window (release, system scope).
+__device__ __forceinline__ void tp_recover_signal(const mok_tp_params_t &p, uint64_t v) {
+  __syncwarp();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int d = 0; d < p.nranks; d++)
+      ptx_st_release_sys_u64((uint64_t *)(p.peer[d] + p.win.rec) + p.rank, v);
+  }
+  __syncwarp();
+}
+
+// Recovery number `gen` (one warp). Step 1: this rank's earlier kernels have ended (stream
+// order), so it says so (rec = 2 gen - 1) and waits until every rank has: then no kernel of any
+// rank still writes a counter. Step 2: it zeroes the counters other ranks add to in its window
+// (layout flags, dispatch and combine counters), its call numbers and work-item counters, as a
+// new transport has them, says so (2 gen), and waits until every rank has: then no rank's next
+// call can meet a counter not yet zeroed. The error word is cleared first, so the next check
+// reports only this kernel's own timeout: a rank that did not join.
+__global__ void __launch_bounds__(32, 1)
+    tp_recover_kernel(const __grid_constant__ mok_tp_params_t p, uint64_t gen) {
+  const int W = p.nranks;
+  if (threadIdx.x == 0) {
+    volatile int32_t *e = (volatile int32_t *)p.err;
+    for (size_t i = 0; i < sizeof(mok_tp_error_t) / 4; i++) e[i] = 0;
+  }
+  tp_recover_signal(p, 2 * gen - 1);
+  if (!tp_recover_wait(p, 2 * gen - 1)) return;
+  char *win = p.peer[p.rank];
+  volatile uint64_t *flags = (volatile uint64_t *)(win + p.win.flags);
+  volatile uint64_t *disp = (volatile uint64_t *)(win + p.win.disp_ctr);
+  volatile uint64_t *comb = (volatile uint64_t *)(win + p.win.comb_ctr);
+  for (int i = threadIdx.x; i < 2 * W; i += 32) flags[i] = 0;
+  for (int i = threadIdx.x; i < W; i += 32) disp[i] = 0, comb[i] = 0;
+  if (threadIdx.x < 3) ((volatile uint64_t *)p.lay.epoch)[threadIdx.x] = 0;
+  if (threadIdx.x < 4) {
+    ((volatile uint32_t *)p.lay.epoch_done)[threadIdx.x] = 0;
+    ((volatile uint32_t *)p.lay.claim)[threadIdx.x] = 0;
+  }
+  tp_recover_signal(p, 2 * gen);
+  tp_recover_wait(p, 2 * gen);
+}
+
 static mokResult_t tp_cuda(cudaError_t e) {
   if (e == cudaSuccess) return MOK_SUCCESS;
   cudaGetLastError();
@@ -240,7 +297,8 @@ extern "C" mokResult_t mok_tp_layout_launch(const mok_tp_params_t *p, void *stre
 extern "C" mokResult_t mok_tp_preload(void) {
   cudaFuncAttributes a;
   if (cudaFuncGetAttributes(&a, tp_layout_kernel) != cudaSuccess ||
-      cudaFuncGetAttributes(&a, tp_run_kernel) != cudaSuccess)
+      cudaFuncGetAttributes(&a, tp_run_kernel) != cudaSuccess ||
+      cudaFuncGetAttributes(&a, tp_recover_kernel) != cudaSuccess)
     return tp_cuda(cudaGetLastError());
   return MOK_SUCCESS;
 }
@@ -250,5 +308,12 @@ extern "C" mokResult_t mok_tp_run_launch(const mok_tp_params_t *p, void *stream)
   if (p->EL > MOK_MAX_EXPERTS || p->nranks > MOK_MAX_RANKS || p->num_ctas < 1)
     return MOK_ERROR_INVALID_VALUE;
   tp_run_kernel<<<p->num_ctas, TP_THREADS, 0, (cudaStream_t)stream>>>(*p);
+  return tp_cuda(cudaGetLastError());
+}
+
+extern "C" mokResult_t mok_tp_recover_launch(const mok_tp_params_t *p, uint64_t gen, void *stream) {
+  if (!p) return MOK_ERROR_NULL_POINTER;
+  if (p->nranks > 32 || gen < 1) return MOK_ERROR_INVALID_VALUE;  // one lane per rank
+  tp_recover_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(*p, gen);
   return tp_cuda(cudaGetLastError());
 }
