@@ -475,7 +475,7 @@ MOK_TEST(ep_rank_that_never_arrives_times_out) {
 MOK_TEST(ep_recovers_after_a_timeout) {
   NEED_GPU();
   fwd_problem_t p;
-  ep_problem(&p, 64, 128, test_route_uniform(0.1));
+  ep_problem(&p, 128, 128, test_route_uniform(0.1));
   const int64_t T[2] = {64, 64};
   const std::vector<uint16_t> ref = ep_reference_y(&p, 128);
   ep_team_t t;
