@@ -63,4 +63,65 @@ __device__ __forceinline__ void gw_store_tile(const float (&acc)[128], uint8_t *
   else epi_store_f32<128, EPI == MOK_GG_EPI_ACCUM_F32>(acc, (float *)c + c_off, e);
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* The ping-pong tile (gemm/grouped_wgrad.cu): one warpgroup, 128 x 128, acc0 rows [0, 64), acc1   */
+/* rows [64, 128)                                                                                  */
+/* ---------------------------------------------------------------------------------------------- */
+
+// Row half h (rows [c_row0 + 64 h, +64) of C[g], columns [c_col0, +128)) from registers.
+template <int EPI>
+__device__ __forceinline__ void gw_store_half_direct(const float (&acc)[64], void *c, int group,
+                                                     int n, int k, int c_row0, int c_col0,
+                                                     int h) {
+  const epi_coords_t e = epi_coords(c_row0, n, c_col0, k, k, h);
+  const size_t c_off = (size_t)group * (size_t)n * (size_t)k;
+  if (EPI == MOK_GG_EPI_STORE_BF16) epi_store_bf16<64>(acc, (__nv_bfloat16 *)c + c_off, e);
+  else epi_store_f32<64, EPI == MOK_GG_EPI_ACCUM_F32>(acc, (float *)c + c_off, e);
+}
+
+// An empty group's tile: zeros (store epilogues), nothing when accumulating.
+template <int EPI>
+__device__ __forceinline__ void gw_store_zeros_pp(void *c, int group, int n, int k, int c_row0,
+                                                  int c_col0) {
+  if constexpr (EPI != MOK_GG_EPI_ACCUM_F32) {
+    float zero[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) zero[i] = 0.0f;
+    gw_store_half_direct<EPI>(zero, c, group, n, k, c_row0, c_col0, 0);
+    gw_store_half_direct<EPI>(zero, c, group, n, k, c_row0, c_col0, 1);
+  }
+}
+
+// The tile's stores. A row half inside C[g] goes through staging (`stage_c`) and TMA bulk copies
+// over the [G N, K] map tm_c, which drain while this warpgroup waits for its next turn and runs
+// its next mainloop: bf16, each half its own 16 KB buffer, the first waiting until the copy engine
+// has read both buffers of this warpgroup's previous tile (issued a whole turn earlier); fp32, both
+// halves through one 32 KB buffer, each waiting until the copy engine has read the previous one
+// (under the other warpgroup's MMA, which the wait no longer stops; 32 KB more of staging would
+// cost two of the five stages). Halves past N and fp32 accumulation store from registers.
+template <int EPI>
+__device__ __forceinline__ void gw_store_tile_pp(const float (&acc0)[64], const float (&acc1)[64],
+                                                 uint8_t *stage_c, const CUtensorMap *tm_c,
+                                                 void *c, int group, int n, int k, int c_row0,
+                                                 int c_col0, int bar, int lt) {
+  static_assert(EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_STORE_F32 ||
+                    EPI == MOK_GG_EPI_ACCUM_F32,
+                "weight gradients: store bf16, store fp32 or accumulate fp32");
+  constexpr int F32 = EPI == MOK_GG_EPI_STORE_F32;
+  constexpr int HALF_BYTES = F32 ? 0 : 16384, HALF_WAIT = F32 ? 0 : -1;
+  const float2 one = make_float2(1.0f, 1.0f);
+  const int row = group * n + c_row0;  // in the [G N, K] view (< 2^31: the launcher checks)
+  if (EPI != MOK_GG_EPI_ACCUM_F32 && c_row0 + 64 <= n) {
+    epi_store_staged<0, 0, 0, 64, F32>(acc0, stage_c, tm_c, one, c_col0, k, row, bar, lt);
+    if (c_row0 + 128 <= n)
+      epi_store_staged<0, 0, HALF_WAIT, 64, F32>(acc1, stage_c + HALF_BYTES, tm_c, one, c_col0,
+                                                 k, row + 64, bar, lt);
+    else
+      gw_store_half_direct<EPI>(acc1, c, group, n, k, c_row0, c_col0, 1);
+    return;
+  }
+  gw_store_half_direct<EPI>(acc0, c, group, n, k, c_row0, c_col0, 0);
+  gw_store_half_direct<EPI>(acc1, c, group, n, k, c_row0, c_col0, 1);
+}
+
 #endif /* MOK_CUDA_GEMM_WGRAD_TILE_CUH */
