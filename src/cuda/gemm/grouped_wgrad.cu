@@ -8,24 +8,26 @@
  *   C    [G, N, K] fp32 or bf16           e.g. dWd [E, H, I], dWg [E, I, H]
  *
  * The groups split the reduction, not the output: every group owns all of C[g], whatever its row
- * count, and the rows of a group are known only on the device. One CTA per SM, 384 threads:
- * warpgroup 0 produces (TMA), warpgroups 1 and 2 consume (wgmma, transposed A and B from MN-major
- * 128B-swizzled tiles) in turns, ping-pong: a tile is 128 rows x 128 columns of C[g], reduced and
- * stored by one consumer warpgroup while the other reduces the next (a tile reduces only R / E
- * rows, ~8 blocks at DeepSeek-V3, so an epilogue under no MMA costs a lot: docs/performance.md,
- * "Weight-gradient GEMM"). One stage is 64 reduced rows (tile/pipeline.cuh, k-grouped section,
- * which also explains how a group's last partial block is made to add exactly zero).
+ * count, and the rows of a group are known only on the device. Same CTA shape as the grouped GEMM
+ * (grouped_gemm.cu): one CTA per SM, 384 threads, warpgroup 0 produces (TMA), warpgroups 1 and 2
+ * consume (wgmma, transposed A and B from MN-major 128B-swizzled tiles) and run the epilogue. A
+ * tile is 128 rows x 256 columns of C[g]; one stage is 64 reduced rows (tile/pipeline.cuh, k-grouped
+ * section, which also explains how a group's last partial block is made to add exactly zero).
  *
- * Determinism: each output tile belongs to one warpgroup, which sums its group's rows in row order
- * with fp32 accumulators (4 k16 wgmmas per stage and row half, stages in order); no atomics. The
- * result does not depend on the grid size. An empty group stores zeros (store epilogues) or leaves
- * C[g] untouched (accumulate).
+ * Determinism: each output tile belongs to one CTA, which sums its group's rows in row order with
+ * fp32 accumulators (4 k16 wgmmas per stage, stages in order); no atomics. The result does not
+ * depend on the grid size. An empty group stores zeros (store epilogues) or leaves C[g] untouched
+ * (accumulate).
  *
- * Configurations (gw_pp_config, by epilogue): bf16 and fp32 stores stage the tile per warpgroup in
- * 32 KB of swizzled shared memory (bf16 at once, fp32 in two rounds) and leave it to TMA bulk
- * copies over the [G N, K] view of C, which drain under the other warpgroup's MMA (row halves that
- * end past N[g] store from registers), beside 5 stages; fp32 accumulation stores from registers,
- * 6 stages.
+ * Configurations (one dispatch table in mok_grouped_wgrad_launch), as in grouped_gemm.cu:
+ *   staged (bf16 and fp32 stores): 3 stages + 64 KB output staging; each consumer warpgroup stages its
+ *          [64, 256] piece in swizzled shared memory and leaves it to TMA bulk copies over the
+ *          [G N, K] view of C, which drain while the next tile's MMA runs (a tile reduces only
+ *          R / E rows, ~8 blocks at DeepSeek-V3, so an unhidden epilogue costs a lot): bf16 in
+ *          one round of 32 KB per warpgroup, fp32 in two rounds of 32 KB (the second waits until
+ *          the copy engine has read the first); row tiles that end past N[g] fall back to direct
+ *          stores;
+ *   direct (fp32 accumulation): 4 stages, stores from registers.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -43,7 +45,8 @@
 #include "cuda/tile/scheduler.cuh"
 #include "cuda/ptx/tma.cuh"
 
-enum { GW_BM = 128, GW_BK = 64 };
+enum { GW_BM = 128, GW_BN = 256, GW_BK = 64, GW_STAGES_DIRECT = 4, GW_STAGES_STAGED = 3,
+       GW_C_BYTES = 2 * 2 * 64 * 128 * 2 };  // staging: 2 warpgroups x 2 rounds x [64, 128] bf16
 
 // Register split after setmaxnreg, as in grouped_gemm.cu: 40 (producer) + 2 x 232 (consumers),
 // within the 168 per thread the CTA is launched with (grouped_gemm.cu's note).
@@ -52,58 +55,44 @@ static_assert(GW_PRODUCER_REGS + 2 * GW_CONSUMER_REGS <= 3 * 168,
               "the launch's registers (gemm/grouped_gemm_fp8.cuh)");
 static_assert(GW_BK * MOK_TP_ROW_BYTES == MOK_TP_WGRAD_CHUNK_BYTES, "a chunk: 64 rows of 64 bf16");
 
+static_assert(tp_plan<GW_BM, GW_BN, GW_STAGES_DIRECT, 0>::STAGE_BYTES % 1024 == 0,
+              "128B swizzle needs 1024-byte aligned stages");
+static_assert(tp_plan<GW_BM, GW_BN, GW_STAGES_STAGED, GW_C_BYTES>::ALLOC_BYTES <= 227 * 1024,
+              "staged configuration fits the shared memory of a CTA");
+
 typedef struct {
   const void *offsets;  // [G + 1] int32 or int64, device
   int offsets_int64;
   int num_groups;       // G
   int64_t m_total;      // rows of A and B
   int n, k;             // C[g] is [N, K]
-  int m_tiles, n_tiles; // ceil(N / 128), ceil(K / 128)
+  int m_tiles, n_tiles; // ceil(N / 128), ceil(K / 256)
   void *c;              // [G, N, K] bf16 or fp32
 } gw_kernel_params_t;
 
-/* ---------------------------------------------------------------------------------------------- */
-/* Ping-pong: each consumer warpgroup computes a whole 128 x 128 tile, in turns                    */
-/* ---------------------------------------------------------------------------------------------- */
-// The CTA's tiles (gw_sched order, 128 x 128) alternate between the consumer warpgroups: tile j of
-// the CTA is warpgroup j % 2's, which reduces it alone (tp_consume_tile_wgrad_pp) and stores it
-// while the other warpgroup reduces tile j + 1, so the epilogue's stores no longer leave the tensor
-// cores idle. The ring is one sequence of stages in tile order; a warpgroup passes the other's
-// stages by (tp_ring_skip) and waits for its turn (MOK_BAR_WGRAD_TURN + cw) before its first
-// stage. Staging: 32 KB per warpgroup (gw_store_tile_pp), beside 5 stages of 32 KB.
-enum { GW_PP_BN = 128, GW_PP_STAGES_F32 = 5, GW_PP_STAGES_BF16 = 5, GW_PP_STAGES_ACCUM = 6 };
-
-template <int EPI>
-struct gw_pp_config {
-  static constexpr int C_BYTES = EPI == MOK_GG_EPI_ACCUM_F32 ? 0 : 2 * 32768;
-  static constexpr int STAGES = EPI == MOK_GG_EPI_STORE_F32    ? GW_PP_STAGES_F32
-                                : EPI == MOK_GG_EPI_STORE_BF16 ? GW_PP_STAGES_BF16
-                                                               : GW_PP_STAGES_ACCUM;
-  typedef tp_plan<GW_BM, GW_PP_BN, STAGES, C_BYTES> P;
-  static_assert(P::STAGE_BYTES % 1024 == 0, "128B swizzle needs 1024-byte aligned stages");
-  static_assert(P::ALLOC_BYTES <= 227 * 1024, "fits the shared memory of a CTA");
-};
-
-template <int EPI>
+template <int EPI, int STAGES, int TMA_STORE>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
-    gw_pp_kernel(const __grid_constant__ gw_kernel_params_t p,
-                 const __grid_constant__ CUtensorMap tm_a,  // A [M_total, N], box [64, 64]
-                 const __grid_constant__ CUtensorMap tm_b,  // B [M_total, K], box [64, 64]
-                 const __grid_constant__ CUtensorMap tm_c)  // C [G N, K]: bf16 box [64, 64],
-                                                            // fp32 box [64, 32]
+    gw_bf16_kernel(const __grid_constant__ gw_kernel_params_t p,
+                   const __grid_constant__ CUtensorMap tm_a,  // A [M_total, N], box [64, 64]
+                   const __grid_constant__ CUtensorMap tm_b,  // B [M_total, K], box [64, 64]
+                   const __grid_constant__ CUtensorMap tm_c)  // C [G N, K]: bf16, box [64, 64];
+                                                              // fp32, box [64, 32]
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  typedef gw_pp_config<EPI> CFG;
-  typedef typename CFG::P P;
-  constexpr int STAGES = CFG::STAGES;
+  static_assert(EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_STORE_F32 ||
+                    EPI == MOK_GG_EPI_ACCUM_F32,
+                "weight gradients: store bf16, store fp32 or accumulate fp32");
+  static_assert(!TMA_STORE || EPI != MOK_GG_EPI_ACCUM_F32, "staged: stores only");
+  constexpr int C_BYTES = TMA_STORE ? GW_C_BYTES : 0;
+  typedef tp_plan<GW_BM, GW_BN, STAGES, C_BYTES> P;
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
   uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
-                                        CFG::C_BYTES ? &tm_c : NULL, NULL);
+                                        TMA_STORE ? &tm_c : NULL, NULL);
   const int wg = threadIdx.x / 128;
 
   gw_sched_t sched = gw_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
-                                   p.m_tiles, p.n_tiles, GW_BM, GW_PP_BN);
+                                   p.m_tiles, p.n_tiles, GW_BM, GW_BN);
   tp_ring_t ring = {0, 0};
   gw_tile_t tile;
 
@@ -112,39 +101,29 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     if (threadIdx.x == 0) {
       while (gw_sched_next(&sched, &tile)) {
         const int k_blocks = (tile.rows + GW_BK - 1) / GW_BK;
-        tp_produce_tile_wgrad<STAGES, GW_PP_BN>(&ring, smem, full, empty, &tm_a, &tm_b,
-                                                tile.row0, k_blocks, tile.c_row0, tile.c_col0);
+        tp_produce_tile_wgrad<STAGES>(&ring, smem, full, empty, &tm_a, &tm_b, tile.row0,
+                                      k_blocks, tile.c_row0, tile.c_col0);
       }
     }
   } else {
     ptx_setmaxnreg_inc<GW_CONSUMER_REGS>();
-    const int cw = wg - 1;
-    const int lt = threadIdx.x & 127;
-    uint8_t *stage_c = smem + P::C_OFFSET + cw * (CFG::C_BYTES / 2);
-    float acc0[64], acc1[64];  // rows [0, 64) and [64, 128) of this warpgroup's tile
-    for (int j = 0; gw_sched_next(&sched, &tile); j++) {
+    const int cw = wg - 1;             // consumer warpgroup: rows [64 cw, 64 cw + 64) of the tile
+    const int lt = threadIdx.x & 127;  // thread within the warpgroup
+    uint8_t *stage_c = smem + P::C_OFFSET + cw * (C_BYTES / 2);  // 32 KB: [4][64][128 B]
+    float acc[128];                    // [64, 256] fragment of this warpgroup
+    while (gw_sched_next(&sched, &tile)) {
       const int k_blocks = (tile.rows + GW_BK - 1) / GW_BK;
-      if ((j & 1) != cw) {  // the other warpgroup's tile
-        tp_ring_skip<STAGES>(&ring, k_blocks);
-        continue;
-      }
-      // Turns: wait for the previous tile's last stage to be seen (if there is one), give the
-      // next tile's warpgroup its turn after this one's last stage (if there is a next tile).
-      const int turn_wait = j > 0 ? MOK_BAR_WGRAD_TURN + cw : -1;
-      const int turn_give = sched.next < sched.total ? MOK_BAR_WGRAD_TURN + (cw ^ 1) : -1;
       if (k_blocks == 0) {  // empty group: zeros, or C[g] untouched when accumulating
-        if (turn_wait >= 0) ptx_named_barrier_sync(turn_wait, 256);
-        if (turn_give >= 0) ptx_named_barrier_arrive(turn_give, 256);
-        gw_store_zeros_pp<EPI>(p.c, tile.group, p.n, p.k, tile.c_row0, tile.c_col0);
+        gw_store_zeros<EPI>(p.c, tile.group, p.n, p.k, tile.c_row0, tile.c_col0, cw);
         continue;
       }
       const int last_rows = tile.rows - (k_blocks - 1) * GW_BK;  // 1..64
-      tp_consume_tile_wgrad_pp<STAGES>(&ring, smem, full, empty, k_blocks, last_rows, cw,
-                                       turn_wait, turn_give, acc0, acc1);
-      gw_store_tile_pp<EPI>(acc0, acc1, stage_c, &tm_c, p.c, tile.group, p.n, p.k, tile.c_row0,
-                            tile.c_col0, MOK_BAR_GEMM_EPI + cw, lt);
+      tp_consume_tile_wgrad_n256<STAGES>(&ring, smem, full, empty, k_blocks, last_rows, cw,
+                                         acc);
+      gw_store_tile<EPI>(acc, stage_c, &tm_c, p.c, tile.group, p.n, p.k, tile.c_row0,
+                         tile.c_col0, cw, MOK_BAR_GEMM_EPI + cw, lt);
     }
-    if (CFG::C_BYTES && lt == 0) ptx_bulk_wait_group_all();  // stores done before the CTA retires
+    if (TMA_STORE && lt == 0) ptx_bulk_wait_group_all();  // stores done before the CTA retires
   }
 #endif
 }
@@ -170,7 +149,7 @@ static mokResult_t gw_validate(const mok_grouped_wgrad_params_t *p) {
       p->k >= ((int64_t)1 << 31))
     return MOK_ERROR_INVALID_SHAPE;
   if (p->num_groups * p->n >= ((int64_t)1 << 31)) return MOK_ERROR_INVALID_SHAPE;  // [G N, K]
-  const int64_t tiles = ((p->n + GW_BM - 1) / GW_BM) * ((p->k + GW_PP_BN - 1) / GW_PP_BN);
+  const int64_t tiles = ((p->n + GW_BM - 1) / GW_BM) * ((p->k + GW_BN - 1) / GW_BN);
   if (tiles * p->num_groups >= ((int64_t)1 << 31)) return MOK_ERROR_INVALID_SHAPE;
   if (!gw_aligned16(p->a) || !gw_aligned16(p->b) || !gw_aligned16(p->c) ||
       ((uintptr_t)p->offsets & (p->offsets_int64 ? 7u : 3u)))
@@ -178,12 +157,13 @@ static mokResult_t gw_validate(const mok_grouped_wgrad_params_t *p) {
   return MOK_SUCCESS;
 }
 
-template <int EPI>
-static cudaError_t gw_pp_launch(const gw_kernel_params_t *kp, const CUtensorMap *ma,
-                                const CUtensorMap *mb, const CUtensorMap *mc, int grid,
-                                cudaStream_t stream) {
-  const int bytes = gw_pp_config<EPI>::P::ALLOC_BYTES;
-  void (*kernel)(gw_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap) = gw_pp_kernel<EPI>;
+template <int EPI, int STAGES, int TMA_STORE>
+static cudaError_t gw_launch(const gw_kernel_params_t *kp, const CUtensorMap *ma,
+                             const CUtensorMap *mb, const CUtensorMap *mc, int grid,
+                             cudaStream_t stream) {
+  const int bytes = tp_plan<GW_BM, GW_BN, STAGES, TMA_STORE ? GW_C_BYTES : 0>::ALLOC_BYTES;
+  void (*kernel)(gw_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap) =
+      gw_bf16_kernel<EPI, STAGES, TMA_STORE>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
@@ -219,7 +199,7 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   kp.n = (int)p->n;
   kp.k = (int)p->k;
   kp.m_tiles = (int)((p->n + GW_BM - 1) / GW_BM);
-  kp.n_tiles = (int)((p->k + GW_PP_BN - 1) / GW_PP_BN);
+  kp.n_tiles = (int)((p->k + GW_BN - 1) / GW_BN);
   kp.c = p->c;
   const int64_t tiles = (int64_t)kp.num_groups * kp.m_tiles * kp.n_tiles;
   int grid = p->num_sms > 0 && p->num_sms < sms ? p->num_sms : sms;
@@ -240,16 +220,17 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   if (!staged) mc = ma;  // unused
 
   cudaStream_t s = (cudaStream_t)stream;
+  const int S4 = GW_STAGES_DIRECT, S3 = GW_STAGES_STAGED;
   cudaError_t err;
   switch (p->epilogue) {
     case MOK_GG_EPI_STORE_BF16:
-      err = gw_pp_launch<MOK_GG_EPI_STORE_BF16>(&kp, &ma, &mb, &mc, grid, s);
+      err = gw_launch<MOK_GG_EPI_STORE_BF16, S3, 1>(&kp, &ma, &mb, &mc, grid, s);
       break;
     case MOK_GG_EPI_STORE_F32:
-      err = gw_pp_launch<MOK_GG_EPI_STORE_F32>(&kp, &ma, &mb, &mc, grid, s);
+      err = gw_launch<MOK_GG_EPI_STORE_F32, S3, 1>(&kp, &ma, &mb, &mc, grid, s);
       break;
-    default:  // accumulation stores from registers, as in grouped_gemm.cu (its NOTE)
-      err = gw_pp_launch<MOK_GG_EPI_ACCUM_F32>(&kp, &ma, &mb, &mc, grid, s);
+    default:  // accumulation stays direct, as in grouped_gemm.cu (its NOTE)
+      err = gw_launch<MOK_GG_EPI_ACCUM_F32, S4, 0>(&kp, &ma, &mb, &mc, grid, s);
       break;
   }
   return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
@@ -258,9 +239,9 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
 extern "C" mokResult_t mok_gw_preload(void) {
   cudaFuncAttributes a;
   const cudaError_t e[] = {
-      cudaFuncGetAttributes(&a, gw_pp_kernel<MOK_GG_EPI_STORE_BF16>),
-      cudaFuncGetAttributes(&a, gw_pp_kernel<MOK_GG_EPI_STORE_F32>),
-      cudaFuncGetAttributes(&a, gw_pp_kernel<MOK_GG_EPI_ACCUM_F32>)};
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_BF16, GW_STAGES_STAGED, 1>),
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_F32, GW_STAGES_STAGED, 1>),
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_ACCUM_F32, GW_STAGES_DIRECT, 0>)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();

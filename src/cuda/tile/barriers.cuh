@@ -8,17 +8,12 @@
 enum {
   /* Grouped GEMMs (gemm/grouped_gemm.cu, gemm/grouped_gemm_fp8.cuh, gemm/grouped_wgrad.cu). */
   MOK_BAR_GEMM_EPI = 1,     /* + cw: consumer warpgroup cw's staged epilogue (128 threads) */
-  MOK_BAR_WGRAD_ZERO = 3,   /* weight-gradient GEMM: both consumer warpgroups (256 threads);
-                               the ping-pong one: + cw, consumer warpgroup cw (128) */
-  MOK_BAR_WGRAD_TURN = 5,   /* + cw: the ping-pong weight-gradient GEMM's turns (256: the warp-
-                               group that waits for its turn and the one that gives it) */
+  MOK_BAR_WGRAD_ZERO = 3,   /* weight-gradient GEMM: both consumer warpgroups (256 threads) */
   /* The fused forward (forward/fused*.cuh). */
   MOK_BAR_FUSED_TICKET = 1, /* the producer warps still loading read the next ticket (32 each) */
   MOK_BAR_FUSED_EPI = 2     /* + cw: consumer warpgroup cw's epilogue and releases (128) */
 };
-static_assert(MOK_BAR_GEMM_EPI + 1 < MOK_BAR_WGRAD_ZERO &&
-                  MOK_BAR_WGRAD_ZERO + 1 < MOK_BAR_WGRAD_TURN && MOK_BAR_WGRAD_TURN + 1 < 16,
-              "GEMM barriers overlap or exceed the 16 of a CTA");
+static_assert(MOK_BAR_GEMM_EPI + 1 < MOK_BAR_WGRAD_ZERO, "GEMM barriers overlap");
 static_assert(MOK_BAR_FUSED_TICKET < MOK_BAR_FUSED_EPI && MOK_BAR_FUSED_EPI + 1 < 16,
               "fused forward barriers overlap or exceed the 16 of a CTA");
 

@@ -208,18 +208,17 @@ __device__ __forceinline__ void epi_stage_swiglu(const float (&acc)[NACC], const
   }
 }
 
-// fp32 staging: column chunks [J0, J0 + 16) of a [64, 256] or [64, 128] fragment (128 columns) as
-// 4 chunks of [64 rows, 32 columns] = [64][128 B] with the 128-byte swizzle (32 KB; what a TMA map
-// of fp32 with box [64, 32] reads). The pair of column chunk j sits at byte 32 ((j - J0) % 4) +
-// 8 (lane % 4) of its row in fp32 chunk (j - J0) / 4, i.e. 16-byte unit 2 ((j - J0) % 4) +
-// (lane % 4) / 2; with the swizzle's XOR by the row (mod 8) the 32 lanes' 8-byte stores fill two
-// wavefronts, the minimum.
+// fp32 staging: column chunks [J0, J0 + 16) of a [64, 256] fragment (128 columns) as 4 chunks of
+// [64 rows, 32 columns] = [64][128 B] with the 128-byte swizzle (32 KB; what a TMA map of fp32 with
+// box [64, 32] reads). The pair of column chunk j sits at byte 32 ((j - J0) % 4) + 8 (lane % 4) of
+// its row in fp32 chunk (j - J0) / 4, i.e. 16-byte unit 2 ((j - J0) % 4) + (lane % 4) / 2; with the
+// swizzle's XOR by the row (mod 8) the 32 lanes' 8-byte stores fill two wavefronts, the minimum.
 __device__ __forceinline__ void epi_st_shared_f32x2(uint32_t addr, float lo, float hi) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(lo), "f"(hi) : "memory");
 }
-template <int J0, int NACC>
-__device__ __forceinline__ void epi_stage_f32(const float (&acc)[NACC], const uint8_t *stage) {
-  static_assert(J0 % 16 == 0 && J0 + 16 <= NACC / 4, "128 columns of the fragment");
+template <int J0>
+__device__ __forceinline__ void epi_stage_f32(const float (&acc)[128], const uint8_t *stage) {
+  static_assert(J0 == 0 || J0 == 16, "one half of the [64, 256] fragment");
   const int t = threadIdx.x & 127, rr0 = 16 * (t / 32) + (t & 31) / 4, q = t & 3;
   // bits 4-6 of the row's address are zero, so the swizzled unit is one XOR away
   const uint32_t base = (ptx_smem_addr(stage) + rr0 * 128 + 8 * (q & 1)) |
@@ -234,13 +233,13 @@ __device__ __forceinline__ void epi_stage_f32(const float (&acc)[NACC], const ui
 }
 
 // Staged store of 128 columns of a consumer warpgroup's [64, 256] accumulator (NACC = 128; the
-// fp8 kernel's and the ping-pong weight-gradient tile's [64, 128] ones: NACC = 64): column chunks
-// [J0, J0 + 16) of the fragment (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in chunks
-// 16-31 with router weights w (SWIGLU = 1, J0 = 0, NACC = 128). bf16: registers -> swizzled
-// staging [2 chunks][64 rows][128 B] (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch,
-// row0) of the map; F32 (SWIGLU = 0): epi_stage_f32's [4 chunks][64 rows][128 B] (32 KB) -> four
-// bulk stores of [64, 32] at (col + 32 ch, row0) of an fp32 map. Committed as one bulk group;
-// chunks at or past column n are skipped (TMA clips the rest at the map's bounds).
+// fp8 kernel's [64, 128] one: NACC = 64): column chunks [J0, J0 + 16) of the fragment
+// (SWIGLU = 0), or the SwiGLU of g in chunks 0-15 and u in chunks 16-31 with router weights w
+// (SWIGLU = 1, J0 = 0, NACC = 128). bf16: registers -> swizzled staging [2 chunks][64 rows][128 B]
+// (16 KB) -> two TMA bulk stores of [64, 64] at (col + 64 ch, row0) of the map; F32 (NACC = 128,
+// SWIGLU = 0): epi_stage_f32's [4 chunks][64 rows][128 B] (32 KB) -> four bulk stores of [64, 32]
+// at (col + 32 ch, row0) of an fp32 map. Committed as one bulk group; chunks at or past column n
+// are skipped (TMA clips the rest at the map's bounds).
 // bar_id: a named barrier of this warpgroup's 128 threads; lt: the thread within it (0 issues).
 // NOTE: the staging buffer may still be read by earlier bulk stores of the issuing thread: with
 // WAIT >= 0 that thread first waits until at most WAIT of its latest bulk groups still read shared
@@ -252,14 +251,14 @@ __device__ __forceinline__ void epi_store_staged(const float (&acc)[NACC], uint8
                                                  const CUtensorMap *tm_c, float2 w, int col, int n,
                                                  int row0, int bar_id, int lt) {
   static_assert(!SWIGLU || (J0 == 0 && NACC == 128), "SwiGLU reads g and u from all 32 chunks");
-  static_assert(!F32 || !SWIGLU, "fp32: 128 columns of a plain fragment");
+  static_assert(!F32 || (!SWIGLU && NACC == 128), "fp32: half of a [64, 256] fragment");
   constexpr int BOX = F32 ? 32 : 64, STORES = 128 / BOX;  // columns per bulk store, stores
   if (WAIT >= 0) {
     if (lt == 0) ptx_bulk_wait_group_read<WAIT < 0 ? 0 : WAIT>();
     ptx_named_barrier_sync(bar_id, 128);
   }
   if constexpr (F32)
-    epi_stage_f32<J0, NACC>(acc, stage_c);
+    epi_stage_f32<J0>(acc, stage_c);
   else if (SWIGLU)
     epi_stage_swiglu<NACC>(acc, stage_c, w);
   else

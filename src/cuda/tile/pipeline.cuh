@@ -498,16 +498,15 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
 #define MOK_TP_WGRAD_CHUNK_BYTES 8192    // [64 rows][128 B]
 
 // Producer, one thread: the k_blocks stages of one k-grouped tile; stage kb holds rows
-// [row0 + 64 kb, row0 + 64 kb + 64) of A columns [a_col0, +128) and B columns [b_col0, +BN)
-// (BN = 256: the cooperative tile, 6 chunks; BN = 128: the ping-pong tile, 4 chunks).
-template <int STAGES, int BN = 256>
+// [row0 + 64 kb, row0 + 64 kb + 64) of A columns [a_col0, +128) and B columns [b_col0, +256).
+template <int STAGES>
 __device__ __forceinline__ void tp_produce_tile_wgrad(tp_ring_t *ring, uint8_t *smem,
                                                       uint64_t *full, uint64_t *empty,
                                                       const CUtensorMap *map_a,
                                                       const CUtensorMap *map_b, int row0,
                                                       int k_blocks, int a_col0, int b_col0) {
-  typedef tp_plan<128, BN, STAGES, 0> P;
-  static_assert(P::STAGE_BYTES == (2 + BN / 64) * MOK_TP_WGRAD_CHUNK_BYTES, "stage layout");
+  typedef tp_plan<128, 256, STAGES, 0> P;
+  static_assert(P::STAGE_BYTES == MOK_TP_WGRAD_CHUNKS * MOK_TP_WGRAD_CHUNK_BYTES, "stage layout");
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
     uint8_t *stage = smem + ring->stage * P::STAGE_BYTES;
@@ -519,20 +518,18 @@ __device__ __forceinline__ void tp_produce_tile_wgrad(tp_ring_t *ring, uint8_t *
     for (int c = 0; c < 2; c++)
       ptx_tma_load_2d(stage + c * MOK_TP_WGRAD_CHUNK_BYTES, map_a, bar, a_col0 + 64 * c, row);
 #pragma unroll
-    for (int c = 0; c < BN / 64; c++)
+    for (int c = 0; c < 4; c++)
       ptx_tma_load_2d(stage + P::A_BYTES + c * MOK_TP_WGRAD_CHUNK_BYTES, map_b, bar,
                       b_col0 + 64 * c, row);
     tp_ring_advance<STAGES>(ring);
   }
 }
 
-// THREADS consumer threads (ct = 0..THREADS-1): rows [valid, 64) of the CHUNKS chunks of `stage`
-// <- 0.
-template <int CHUNKS, int THREADS>
+// The 256 consumer threads (ct = 0..255): rows [valid, 64) of every chunk of `stage` <- 0.
 __device__ __forceinline__ void tp_zero_rows_wgrad(uint8_t *stage, int valid, int ct) {
   const int units = (64 - valid) * 8;  // 16-byte units past the valid rows, per chunk
   const int4 z = make_int4(0, 0, 0, 0);
-  for (int i = ct; i < CHUNKS * units; i += THREADS) {
+  for (int i = ct; i < MOK_TP_WGRAD_CHUNKS * units; i += 256) {
     const int c = i / units;
     *(int4 *)(stage + c * MOK_TP_WGRAD_CHUNK_BYTES + valid * 128 + 16 * (i - c * units)) = z;
   }
@@ -557,8 +554,7 @@ __device__ __forceinline__ void tp_consume_tile_wgrad_n256(tp_ring_t *ring, uint
     ptx_mbar_wait(&full[ring->stage], ring->phase);
     uint8_t *stage = smem + ring->stage * P::STAGE_BYTES;
     if (kb == k_blocks - 1 && last_rows < 64) {
-      tp_zero_rows_wgrad<MOK_TP_WGRAD_CHUNKS, 256>(stage, last_rows,
-                                                   128 * wg + (threadIdx.x & 127));
+      tp_zero_rows_wgrad(stage, last_rows, 128 * wg + (threadIdx.x & 127));
       // NOTE: generic stores read next by wgmma (async proxy): fence in every writer, then meet.
       ptx_fence_proxy_async_smem();
       ptx_named_barrier_sync(MOK_BAR_WGRAD_ZERO, 256);
@@ -583,79 +579,6 @@ __device__ __forceinline__ void tp_consume_tile_wgrad_n256(tp_ring_t *ring, uint
   if (prev_stage >= 0 && lane == 0) ptx_mbar_arrive(&empty[prev_stage]);
 #pragma unroll
   for (int i = 0; i < 128; i++) ptx_fence_operand(acc[i]);
-}
-
-// Ping-pong, k-grouped (gemm/grouped_wgrad.cu's ping-pong kernel): consumer warpgroup `cw` alone
-// computes a 128 x 128 tile, acc0 = rows [0, 64) and acc1 = rows [64, 128) of it, while the other
-// warpgroup runs the epilogue of its own tile. Stage: chunks 0-1 = A columns (the tile's rows),
-// chunks 2-3 = B columns (its columns), 32 KB (tp_plan<128, 128>). Each output element gets the
-// same k16 products in the same order as in tp_consume_tile_wgrad_n256.
-// Only this warpgroup reads its stages: each warp releases a stage with 2 of the 8 arrivals the
-// empty barrier counts. The zeroing of a partial last block meets at barrier MOK_BAR_WGRAD_ZERO +
-// cw (this warpgroup's 128 threads).
-// Turns: the ring's parity tells a stage's fill n from fill n - 2 only once fill n - 1 has been
-// seen, so a warpgroup may wait on its tile's first stage only after the other warpgroup has seen
-// every stage before it. order_wait >= 0: a named barrier of 256 threads to meet the other
-// warpgroup at before the first wait (it arrives there after its last one); order_arrive >= 0:
-// the barrier to arrive at after this tile's last wait, for the warpgroup that computes the next
-// tile.
-template <int STAGES>
-__device__ __forceinline__ void tp_consume_tile_wgrad_pp(tp_ring_t *ring, uint8_t *smem,
-                                                         uint64_t *full, uint64_t *empty,
-                                                         int k_blocks, int last_rows, int cw,
-                                                         int order_wait, int order_arrive,
-                                                         float (&acc0)[64], float (&acc1)[64]) {
-  typedef tp_plan<128, 128, STAGES, 0> P;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < 64; i++) ptx_fence_operand(acc0[i]);
-#pragma unroll
-  for (int i = 0; i < 64; i++) ptx_fence_operand(acc1[i]);
-  if (order_wait >= 0) ptx_named_barrier_sync(order_wait, 256);
-  int prev_stage = -1;
-  for (int kb = 0; kb < k_blocks; kb++) {
-    ptx_mbar_wait(&full[ring->stage], ring->phase);
-    uint8_t *stage = smem + ring->stage * P::STAGE_BYTES;
-    if (kb == k_blocks - 1) {
-      if (last_rows < 64) {
-        tp_zero_rows_wgrad<4, 128>(stage, last_rows, threadIdx.x & 127);
-        // NOTE: generic stores read next by wgmma (async proxy): fence in every writer, then meet.
-        ptx_fence_proxy_async_smem();
-        ptx_named_barrier_sync(MOK_BAR_WGRAD_ZERO + cw, 128);
-      }
-      if (order_arrive >= 0) ptx_named_barrier_arrive(order_arrive, 256);
-    }
-    // A: rows [0, 64) and [64, 128) of the tile are chunks 0 and 1, one swizzle atom wide each.
-    // B: 2 chunks of 64 columns, LBO = 8 KB. k16 step: +2048 bytes = +128 in the address field.
-    const uint64_t da = ptx_desc_mnmajor_sw128(stage, MOK_TP_WGRAD_CHUNK_BYTES);
-    const uint64_t db = ptx_desc_mnmajor_sw128(stage + P::A_BYTES, MOK_TP_WGRAD_CHUNK_BYTES);
-    constexpr uint64_t A1 = MOK_TP_WGRAD_CHUNK_BYTES >> 4;  // chunk 1 in the address field
-    ptx_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-      ptx_wgmma_m64n128k16_bf16<1, 1>(acc0, da + 128 * kk, db + 128 * kk, (kb | kk) != 0);
-      ptx_wgmma_m64n128k16_bf16<1, 1>(acc1, da + A1 + 128 * kk, db + 128 * kk, (kb | kk) != 0);
-    }
-    ptx_wgmma_commit_group();
-    ptx_wgmma_wait_group<1>();  // the previous block's group is complete: release its stage
-    if (prev_stage >= 0 && lane == 0) ptx_mbar_arrive_count(&empty[prev_stage], 2);
-    prev_stage = ring->stage;
-    tp_ring_advance<STAGES>(ring);
-  }
-  ptx_wgmma_wait_group<0>();
-  if (prev_stage >= 0 && lane == 0) ptx_mbar_arrive_count(&empty[prev_stage], 2);
-#pragma unroll
-  for (int i = 0; i < 64; i++) ptx_fence_operand(acc0[i]);
-#pragma unroll
-  for (int i = 0; i < 64; i++) ptx_fence_operand(acc1[i]);
-}
-
-// A tile of the other warpgroup: its k_blocks stages pass this warpgroup's ring position by.
-template <int STAGES>
-__device__ __forceinline__ void tp_ring_skip(tp_ring_t *ring, int stages) {
-  const int s = ring->stage + stages;
-  ring->phase ^= (uint32_t)((s / STAGES) & 1);
-  ring->stage = s % STAGES;
 }
 
 #endif /* MOK_CUDA_TILE_PIPELINE_CUH */
