@@ -478,6 +478,60 @@ MOK_TEST(task_plan_without_reduce_is_the_prefix_before_reduce) {
                  (long long)bad, (long long)checked, (long long)reduces);
 }
 
+/* shared_first (the expert-parallel forward: no_reduce, the shared expert while rows are in
+ * flight): the shared stages of the no_reduce order, then its expert stages, each in its own
+ * order; stage hints give the same tasks; and under adversarial schedules it finishes with no
+ * early start (every dependency stays inside its part, earlier in the order). */
+MOK_TEST(task_plan_shared_first_puts_the_shared_stages_first_and_never_deadlocks) {
+  const int Gs[] = {1, 3, 7, 64};
+  int64_t bad = 0, checked = 0, bad_hint = 0;
+  int runs = 0, failures = 0;
+  for (int variant = 0; variant < 6; variant++) {
+    problem_t pb;
+    MOK_REQUIRE(problem_init(&pb, 71 + variant, variant < 3 ? 41 : 7, 5, 1 + variant % 3, 1, 2,
+                             3));
+    pb.plan.lag = variant % 3 + 1;
+    pb.plan.group_m = variant & 1 ? 2 : 0;
+    pb.plan.shared_band = variant % 4;
+    pb.plan.no_reduce = 1;
+    const mok_task_plan_t last = pb.plan; /* the shared expert after the experts */
+    pb.plan.shared_first = 1;
+    const mok_task_plan_t *q = &pb.plan;
+    const int64_t n = mok_plan_num_tasks(q);
+    const int64_t experts = mok_plan_stage_start(&last, last.E + mok_plan_lag(&last));
+    const int64_t shared = n - experts;
+    MOK_EXPECT(n == mok_plan_num_tasks(&last) && shared > 0);
+    MOK_EXPECT(mok_plan_experts_begin(q) == shared && mok_plan_shared_begin(q) == 0);
+    MOK_EXPECT(mok_plan_experts_begin(&last) == 0 && mok_plan_shared_begin(&last) == experts);
+    int32_t hint = 0;
+    for (int64_t i = 0; i < n; i++) {
+      const mok_task_t t = mok_plan_task(q, i);
+      bad += !same_task(t, mok_plan_task(&last, i < shared ? experts + i : i - shared));
+      bad += (i < shared) != (t.kind == MOK_TASK_SHARED_GATE_UP || t.kind == MOK_TASK_SHARED_DOWN);
+      bad_hint += !same_task(t, mok_plan_task_from(q, i, &hint));
+      checked++;
+    }
+    int64_t *identity = malloc(sizeof(int64_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) identity[i] = i;
+    for (size_t g = 0; g < sizeof(Gs) / sizeof(Gs[0]); g++)
+      for (int ticket = 0; ticket < 2; ticket++)
+        for (int policy = 0; policy < 3; policy++) {
+          int64_t early;
+          const int ok = simulate(&pb, identity, Gs[g], ticket, policy, 313 * variant + g, &early);
+          runs++;
+          failures += !ok || early;
+          MOK_EXPECT_MSG(ok && early == 0, "variant %d G %d ticket %d policy %d: %s, %lld early "
+                         "starts", variant, Gs[g], ticket, policy, ok ? "finished" : "DEADLOCK",
+                         (long long)early);
+        }
+    free(identity);
+    problem_free(&pb);
+  }
+  MOK_EXPECT_MSG(bad == 0 && bad_hint == 0, "%lld of %lld tasks out of place, %lld differ with "
+                 "hints", (long long)bad, (long long)checked, (long long)bad_hint);
+  MOK_EXPECT(runs == 6 * 4 * 2 * 3 && failures == 0);
+}
+
 /* A block too large for 32-bit tile arithmetic takes the 64-bit path, with the same tiles: in
  * its whole bands a tile does not depend on the block's height, so a block of 70000 x 40000
  * tiles must order its first bands as one of 24 x 40000 (32-bit path) does. */

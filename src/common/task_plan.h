@@ -21,8 +21,10 @@
  * as soon as its shared-expert tiles are done (every routed DOWN tile is done by then), beside the
  * shared expert's later bands (forward/fused.cu's reduce helpers; DeepSeek-V3's forward 3-9%
  * faster than with the shared expert's gate/up tiles first: docs/performance.md,
- * "Fused forward: the shared expert"). (An expert-parallel kernel may want them first again, to
- * fill the SMs while rows are dispatched.)
+ * "Fused forward: the shared expert"). With `shared_first` (the expert-parallel kernel, which has
+ * no REDUCE: no_reduce) the shared stages come first instead, then the expert stages: the shared
+ * expert's tiles read this rank's own tokens and wait on no other rank, so they fill the SMs while
+ * the other ranks' rows are dispatched.
  * Within a (kind, expert) block the tiles go row tile by row tile, column tiles inner, or, with
  * group_m > 0, in bands of group_m row tiles: column tile by column tile within a band, its row
  * tiles inner (mok_plan_tile). Consecutive tasks then share a weight tile (B), which the CTAs that
@@ -90,6 +92,7 @@ typedef struct {
   int32_t no_reduce;      /* 1: the order ends before REDUCE (expert parallel: the tokens' expert
                              outputs must come home first, and a kernel after the combine sums
                              them) */
+  int32_t shared_first;   /* 1: the shared stages before the expert stages (see above) */
 } mok_task_plan_t;
 
 MOK_HD int32_t mok_plan_lag(const mok_task_plan_t *p) { return p->lag > 0 ? p->lag : 1; }
@@ -165,8 +168,17 @@ MOK_HD int64_t mok_plan_num_tasks(const mok_task_plan_t *p) {
          mok_plan_shared_start(p, mok_plan_bands(p) + 1) + (p->no_reduce ? 0 : p->t_tiles);
 }
 
-/* The expert stage of task i (mok_plan_stage_start(s) <= i < the next stage's start, empty stages
- * skipped), for i inside the expert stages. `hint`: the stage of an earlier task (0 if none). A
+/* Task number of the first expert task (mok_plan_stage_start counts from it) and of the first
+ * shared task (mok_plan_shared_start counts from it). */
+MOK_HD int64_t mok_plan_experts_begin(const mok_task_plan_t *p) {
+  return p->shared_first ? mok_plan_shared_start(p, mok_plan_bands(p) + 1) : 0;
+}
+MOK_HD int64_t mok_plan_shared_begin(const mok_task_plan_t *p) {
+  return p->shared_first ? 0 : mok_plan_stage_start(p, p->E + mok_plan_lag(p));
+}
+
+/* The expert stage of expert task i (counted from mok_plan_experts_begin: mok_plan_stage_start(s)
+ * <= i < the next stage's start, empty stages skipped). `hint`: the stage of an earlier task (0 if none). A
  * CTA's next ticket is about one grid of tasks later, usually in the same stage or the next, so a
  * few steps forward from the hint end most searches; the rest (past runs of empty experts, or a
  * hint from a later task) take the binary search. */
@@ -195,8 +207,12 @@ MOK_HD int32_t mok_plan_stage_of(const mok_task_plan_t *p, int64_t i, int32_t hi
  * expert task (unchanged otherwise). The task does not depend on the hint. */
 MOK_HD mok_task_t mok_plan_task_from(const mok_task_plan_t *p, int64_t i, int32_t *stage) {
   mok_task_t t = {MOK_TASK_REDUCE, -1, 0, 0};
-  const int64_t experts_end = mok_plan_stage_start(p, p->E + mok_plan_lag(p));
-  if (i < experts_end) {
+  const int64_t experts = mok_plan_stage_start(p, p->E + mok_plan_lag(p));
+  const int32_t U = mok_plan_bands(p);
+  const int64_t shared = mok_plan_shared_start(p, U + 1);
+  const int64_t e0 = p->shared_first ? shared : 0, s0 = p->shared_first ? 0 : experts;
+  if (i >= e0 && i < e0 + experts) {
+    i -= e0;
     const int32_t s = mok_plan_stage_of(p, i, *stage);
     *stage = s;
     int64_t r = i - mok_plan_stage_start(p, s);
@@ -212,10 +228,8 @@ MOK_HD mok_task_t mok_plan_task_from(const mok_task_plan_t *p, int64_t i, int32_
     }
     return t;
   }
-  int64_t r = i - experts_end;
-  const int32_t U = mok_plan_bands(p);
-  const int64_t shared = mok_plan_shared_start(p, U + 1);
-  if (r < shared) {
+  int64_t r = i - s0;
+  if (r >= 0 && r < shared) {
     /* stage u: stages 1 .. U - 2 are all as long as stage 1, so divide, then step to the last
      * stage that starts at or before r */
     const int64_t s1 = mok_plan_shared_start(p, 1), len = mok_plan_shared_start(p, 2) - s1;
@@ -232,7 +246,7 @@ MOK_HD mok_task_t mok_plan_task_from(const mok_task_plan_t *p, int64_t i, int32_
     t.m += v * mok_plan_shared_band(p);
     return t;
   }
-  t.m = (int32_t)(r - shared);
+  t.m = (int32_t)(i - experts - shared);
   return t;
 }
 

@@ -4,7 +4,8 @@
  * It runs after the layout kernel (forward/layout.cu) and walks the global task order of
  * src/common/task_plan.h: per expert stage s the GATE_UP tiles of expert s and the DOWN tiles of expert
  * s - L, then the shared expert by bands of token tiles (SHARED_GATE_UP tiles of band u and
- * SHARED_DOWN tiles of band u - 1), then REDUCE. Each CTA takes the tasks a ticket counter deals
+ * SHARED_DOWN tiles of band u - 1), then REDUCE; expert parallel, the shared expert first and no
+ * REDUCE (forward/fused_ep.cuh). Each CTA takes the tasks a ticket counter deals
  * out in that order, one at a time; its producer warpgroup takes the ticket, decodes the task,
  * and the consumers read both from a tag in the task's first ring stage:
  *
@@ -129,6 +130,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     q.group_m = p.group_m;
     q.shared_band = p.shared_band;
     q.no_reduce = p.no_reduce;
+    q.shared_first = p.no_reduce;  // expert parallel: the shared expert while rows are in flight
     s_plan = q;
     s_num_tasks = valid ? mok_plan_num_tasks(&q) : 0;
   }
@@ -166,9 +168,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     // gwarps: the producer warps still here (taking tickets, loading the ring). 2 from the first
     // task of stage help_stage (the others reduce); 1 from gather_end on, past the last GATE_UP
     // task (no more gathers).
-    const int64_t gather_end = mok_plan_stage_start(&plan, plan.E);
-    const int64_t help_from = p.help_stage < plan.E ? mok_plan_stage_start(&plan, p.help_stage)
-                                                    : gather_end;
+    const int64_t experts0 = mok_plan_experts_begin(&plan);
+    const int64_t gather_end = experts0 + mok_plan_stage_start(&plan, plan.E);
+    const int64_t help_from =
+        p.help_stage < plan.E ? experts0 + mok_plan_stage_start(&plan, p.help_stage) : gather_end;
     int gwarps = 4;
     bool reduce = false;  // this thread's warp reduces after the loop (fk_reduce_claims)
     uint32_t arrived = 1u << p.tp.rank;  // expert parallel (thread 0): ranks whose rows are here
@@ -223,7 +226,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     // MOK_FC_DOWN (the reduce waits for that), when the expert stages are over for it.
     __shared__ uint32_t s_down_tiles[2];
     if (lt == 0) s_down_tiles[cw] = 0;
-    bool down_out = p.by_last;
+    bool down_out = p.by_last || plan.no_reduce;  // no reduce: nothing waits for MOK_FC_DOWN
     int64_t i;
     uint32_t *pending = NULL;  // the previous tile's deferred release (fk_deferred_release)
     {

@@ -17,7 +17,9 @@
  * its units of this call (disp_ctr[s] >= epoch * num_ctas[s], system-scope acquire), and
  * remembers the ranks it has seen complete. Then the producer warps meet (a named barrier), so
  * their gathers (cp.async.cg, at L2) follow the acquire; the row sources and router weights
- * are read at L2 too (.cg): L1 is not coherent with other GPUs' stores.
+ * are read at L2 too (.cg): L1 is not coherent with other GPUs' stores. The plan puts the shared
+ * expert's tiles first (task_plan.h, shared_first): they read this rank's tokens and wait on no
+ * rank, so the first tickets keep the SMs busy while the other ranks' rows are in flight.
  *
  * NOTE (deadlock freedom across ranks): a dispatch unit waits on nothing, and a CTA takes units
  * before any task, so a rank's dispatch completes as soon as one CTA of its kernel runs; every
