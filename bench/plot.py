@@ -92,6 +92,9 @@ def plot_forward(plt, rows, path):
         picked = [rows.get(f"{m}/T16384{suffix}") for m in MODELS]
         used += [r for r in picked if r]
         bars(ax, [MODEL_NAMES[m] for m in MODELS], picked, "tflops", "baseline_tflops", "TFLOP/s")
+        wgrad = {r.get("wgrad") for r in picked if r and r.get("wgrad")}
+        if len(wgrad) == 1:  # the rows' weight-gradient dtype (the pipeline's is bf16)
+            title += f" ({wgrad.pop()} weight gradients)"
         ax.set_title(f"{title}, T = 16384, top-8", fontsize=10)
     finish(fig, f"MoE layer, one {used[0]['device']} (bench/forward.py, {commits(used)})",
            "PyTorch pipeline (argsort, torch._grouped_mm, SwiGLU, index_add_)", path)
