@@ -56,7 +56,7 @@ static int problem_init(problem_t *pb, uint64_t seed, int64_t T, int32_t E, int6
   memset(pb, 0, sizeof(*pb));
   if (!plan_layout_random(&pb->lay, pb->mt_pre, seed, T, E, K, 0, BM)) return 0;
   pb->T = T, pb->K = K;
-  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0, 0, 0};
+  pb->plan = (mok_task_plan_t){E, n_gu, n_down, shared ? 2 : 0, shared ? 3 : 0, (int32_t)((T + BM - 1) / BM), pb->mt_pre, 1, 0, 0, 0, 0};
   pb->down_target = calloc((size_t)pb->plan.t_tiles + 1, sizeof(int64_t));
   for (int32_t e = 0; e < E; e++)
     for (int32_t m = 0; m < pb->mt_pre[e + 1] - pb->mt_pre[e]; m++) for_each_block(pb, e, m, add_target, pb);

@@ -196,7 +196,7 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   dn.a = WS(MOK_WS_AQ), dn.a_scale = (const float *)WS(MOK_WS_AQ_S), dn.a_scale_ld = R4;
   mok_gpu_qw_operand(l, &a->w, MOK_QW_WD, 0, &dn);
   dn.offsets = c->offsets;
-  dn.c = WS(MOK_WS_YK); /* [R, H] over xg, which no fp8 GEMM reads */
+  dn.c = c->yk; /* [R, H]: the workspace's over xg, which no fp8 GEMM reads */
   if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "fp8 routed down", stream)) != MOK_SUCCESS) return r;
 
   if (Is > 0 && T > 0) {
@@ -226,7 +226,7 @@ static mokResult_t gpu_forward_fp8(mok_layer_t l, const mok_forward_args_t *a,
                                    const mok_fwd_local_params_t *p, char *ctx, void *stream) {
   mokResult_t r = mok_gpu_fp8_rows(l, p, a->x, NULL, p->offsets, a->num_tokens, stream);
   if (r != MOK_SUCCESS) return r;
-  const mok_fp8_rows_t c = {p->offsets, p->shared_offsets, p->row_w};
+  const mok_fp8_rows_t c = {p->offsets, p->shared_offsets, p->row_w, (void *)p->yk};
   if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   r = mok_fwd_reduce_launch(p, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);

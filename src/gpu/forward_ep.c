@@ -21,12 +21,16 @@
  *              before the dispatch, which sends each token's e4m3 row and scales; the fp8
  *              gather copies them into expert order, then the W = 1 fp8 GEMMs
  *              (mok_gpu_forward_fp8_experts)
- *   combine    yk rows of other ranks' tokens to their home ranks; waits for every expert rank
- *   reduce     y = bf16(ys + Σ_k yk) in slot order
+ *   combine    a signal to every rank that this rank's yk (in its window) is complete, then
+ *              the wait for every expert rank's
+ *   reduce     y = bf16(ys + Σ_k yk) in slot order, each slot's row read where its expert rank
+ *              wrote it (the pull reduce: one pass over the remote rows, no copy home)
  *
  * The context: its header (by prep, valid only when the call is), this rank's offsets, and in
- * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). The combine is not
- * inside the persistent kernel yet. The transport counts its calls (epochs) on the device, so a
+ * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). yk lives in the
+ * transport's window (its yk region, the layer's R rows): another rank's reduce reads it during
+ * this call, and this rank rewrites it only in its next forward, after the next layout, whose
+ * all-gather waits for every rank's next call, which its stream orders after its reduce. The transport counts its calls (epochs) on the device, so a
  * forward captured in a CUDA graph can be replayed (tests/gpu/test_ep.cu).
  */
 #include <string.h>
@@ -120,7 +124,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     (q).shared_offsets = (int32_t *)mok_gpu_ws(l, MOK_WS_SHARED_OFFSETS);   \
     (q).layer_err = mok_gpu_ws(l, MOK_WS_ERROR);                            \
     (q).xg = mok_gpu_ws(l, MOK_WS_XG);                                      \
-    (q).yk = mok_gpu_ws(l, MOK_WS_YK);                                      \
+    (q).yk = (q).peer[(q).rank] + (q).win.yk; /* home ranks read it in place */ \
     (q).ys = Is > 0 ? (const float *)mok_gpu_ws(l, MOK_WS_YS) : NULL;       \
     (q).ctx_header = ctx + lay->ctx[MOK_CTX_HEADER];                        \
     (q).ctx_offsets = (int32_t *)(ctx + lay->ctx[MOK_CTX_OFFSETS]);         \
@@ -164,7 +168,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   if (fused) {
     if ((r = ep_forward_fused(l, a, &p, in_kernel, ctx, stream)) != MOK_SUCCESS) return r;
   } else if (fp8) {
-    const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w};
+    const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w, (void *)p.yk};
     if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   } else {
     mok_grouped_gemm_params_t gu =
@@ -183,7 +187,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     dn.a = gu.c;
     dn.b = a->w.wd;
     dn.offsets = p.offsets;
-    dn.c = (void *)p.yk; /* over xg, which the gate/up GEMM has read */
+    dn.c = (void *)p.yk; /* the window's yk region */
     if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "routed down", stream)) != MOK_SUCCESS) return r;
     if (Is > 0 && T > 0) {
       mok_grouped_gemm_params_t sgu =
@@ -211,6 +215,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     return mok_gpu_launcher_failed(l, r);
   EP_FILL(p);
 #undef EP_FILL
+  p.pull = 1; /* the combine signals that yk is complete; the reduce reads the rows in place */
   if ((r = mok_ep_combine_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the combine kernel failed to launch");
   if ((r = mok_ep_reduce_launch(&p, stream)) != MOK_SUCCESS)

@@ -52,10 +52,12 @@ void mok_gpu_fused_params(mok_layer_t l, const mok_forward_args_t *a, char *ctx,
 /* fp8-block: the experts' fp8 GEMMs of a forward (src/gpu/forward.c), W = 1 or one rank of an
  * expert-parallel layer, once the workspace's xq holds the routed rows' e4m3 values and xqt the
  * call's tokens' (the shared expert's): a [R, I], yk [R, H], as, ys; SAVE mode: g, u, gs, us into
- * ctx. offsets [EL + 1] of the rows, shared_offsets {0, T}, row_w [R] their router weights. */
+ * ctx. offsets [EL + 1] of the rows, shared_offsets {0, T}, row_w [R] their router weights; yk:
+ * where the expert outputs go (the workspace's, or the transport window's yk region). */
 typedef struct {
   const int32_t *offsets, *shared_offsets;
   const float *row_w;
+  void *yk;
 } mok_fp8_rows_t;
 mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t *a,
                                         const mok_fp8_rows_t *c, char *ctx, void *stream);

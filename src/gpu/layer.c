@@ -90,6 +90,7 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
     td.num_experts = l->d.num_experts;
     td.top_k = l->d.top_k;
     td.tile_m = 1;
+    td.yk_rows = l->capacity_rows; /* the forward's expert outputs, read by their home ranks */
     td.num_sms = l->d.comm_sms;
     td.timeout_s = l->tuning.timeout_s;
     if (l->comm->vgroup) {

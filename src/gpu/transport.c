@@ -81,6 +81,7 @@ static void tp_window_layout(const mok_transport_desc_t *d, int W, mok_tp_window
   wl->row_src = off, off = tp_align(off + (size_t)W * T * K * 4);
   wl->recv_x2 = off, off = tp_align(off + (size_t)W * T * H * 2);
   wl->comb_w = off, off = tp_align(off + T * K * 4);
+  wl->yk = off, off = tp_align(off + (size_t)d->yk_rows * H * 2);
   wl->bytes = off;
 }
 
@@ -107,6 +108,9 @@ static mokResult_t tp_check_desc(const mok_transport_desc_t *d, int W) {
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "transport: num_sms %d must be >= 0 and timeout_s %g in [0, 3600]", d->num_sms,
                     d->timeout_s);
+  if (d->yk_rows < 0 || d->yk_rows >= INT32_MAX)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "transport: yk_rows %lld not in [0, 2^31)",
+                    (long long)d->yk_rows);
   /* Row and token indices are int32 on the device. */
   const int64_t rows = (int64_t)W * d->max_tokens * d->top_k + d->num_experts * d->tile_m;
   if (rows >= INT32_MAX || (int64_t)W * d->max_tokens * (d->top_k + 1) >= INT32_MAX)

@@ -302,8 +302,8 @@ MOK_TEST(transport_rejects_bad_arguments) {
     const char *field;
     mokResult_t code;
     mok_transport_desc_t d;
-  } bad[9];
-  for (int i = 0; i < 9; i++) bad[i].d = good;
+  } bad[10];
+  for (int i = 0; i < 10; i++) bad[i].d = good;
   bad[0].field = "max_tokens", bad[0].code = MOK_ERROR_INVALID_VALUE, bad[0].d.max_tokens = 0;
   bad[1].field = "hidden", bad[1].code = MOK_ERROR_INVALID_SHAPE, bad[1].d.hidden = 100;
   bad[2].field = "num_experts", bad[2].code = MOK_ERROR_INVALID_SHAPE, bad[2].d.num_experts = 0;
@@ -313,7 +313,8 @@ MOK_TEST(transport_rejects_bad_arguments) {
   bad[6].field = "num_sms", bad[6].code = MOK_ERROR_INVALID_VALUE, bad[6].d.num_sms = -1;
   bad[7].field = "timeout_s", bad[7].code = MOK_ERROR_INVALID_VALUE, bad[7].d.timeout_s = -1;
   bad[8].field = "top_k", bad[8].code = MOK_ERROR_INVALID_VALUE, bad[8].d.top_k = 0;
-  for (int i = 0; i < 9; i++) {
+  bad[9].field = "yk_rows", bad[9].code = MOK_ERROR_INVALID_SHAPE, bad[9].d.yk_rows = -1;
+  for (int i = 0; i < 10; i++) {
     const mokResult_t r = mok_transport_create(&t, cpu, &bad[i].d);
     MOK_EXPECT_MSG(r == bad[i].code && t == NULL, "case %d (%s): %d, %s", i, bad[i].field, r,
                    mok_last_error());

@@ -89,6 +89,8 @@ typedef struct {
   int64_t tile_m;      /* expert segments are padded to a multiple of this (the GEMM tile height) */
   int num_sms;         /* CTAs of the dispatch-and-combine kernel; 0 = 20. Fixed for the lifetime */
   double timeout_s;    /* bound of every wait; 0 = 10 s */
+  int64_t yk_rows;     /* rows of the window's yk region (a layer: its routed-row capacity R,
+                          whose expert outputs the home ranks read in place); 0: none */
 } mok_transport_desc_t;
 
 /* Phases of mok_transport_run, in this order within a call. */
@@ -168,6 +170,8 @@ typedef struct {
                        position p >= 0, or -(t + 1) for token t of this rank */
   size_t recv_x2;   /* [W * T_max, H] bf16 (layers' backward) dy of the tokens in recv_x */
   size_t comb_w;    /* [T_max, K] fp32 (layers' backward) router-weight gradients sent home */
+  size_t yk;        /* [yk_rows, H] bf16 (layers' forward) outputs of this rank's expert rows,
+                       read by the rows' home ranks (the pull reduce) */
   size_t bytes;
   int64_t slot_ints; /* E + W + 4 per source: counts per expert, tokens per destination, header */
 } mok_tp_window_layout_t;
@@ -218,7 +222,11 @@ typedef struct {
   int32_t *shared_offsets;    /* [2] {0, T} (or {0, 0}) for the shared expert's GEMMs */
   void *layer_err;            /* the layer's mok_ws_error_t */
   void *xg;                   /* [R, H] bf16 rows of this rank's experts, in layout order */
-  const void *yk;             /* [R, H] bf16 expert outputs of those rows */
+  const void *yk;             /* [R, H] bf16 expert outputs of those rows (the forward: the
+                                 window's yk region) */
+  int pull;                   /* the forward: combine only signals that this rank's yk is
+                                 complete, and the reduce reads each slot's row in its expert
+                                 rank's window (yk region) instead of comb */
   const float *ys;            /* [T, H] fp32 shared-expert output, or NULL */
   /* ... and their backward (x, xg: the tokens' x; x2, xg2: their dy; y, yk, ys: dx, the rows'
    * bf16 dxk, the shared expert's fp32 dxs): */

@@ -13,9 +13,12 @@
  *             quantized x, ep_gather_fp8_kernel)
  *   (the grouped GEMMs of the W = 1 chain on this rank's experts: yk [rows, H]; the shared
  *   expert on this rank's tokens: ys)
- *   combine   yk rows of the other ranks' tokens go home into comb[t, k]; signal, wait
+ *   combine   the forward: a signal that this rank's yk (the window's yk region) is complete,
+ *             then the wait for every rank's; the backward: dxk rows of the other ranks' tokens
+ *             go home into comb[t, k] (with their router-weight gradients); signal, wait
  *   reduce    y[t] = bf16(ys[t] + Σ_k yk(t, k)), slot order: the W = 1 reduce's additions
- *             (forward/rows.cuh), with each slot's row read from comb or from this rank's yk
+ *             (forward/rows.cuh), with each slot's row read where its expert rank wrote it (the
+ *             forward's pull: one pass over the remote rows) or from comb or this rank's dxk
  *
  * EP-invariance: an expert's rows are the rows of the W = 1 layer over the ranks' tokens
  * concatenated in rank order, in the same order, and each GEMM output row depends only on its
@@ -38,6 +41,7 @@
 #include "cuda/forward/rows.cuh"
 
 #define EP_THREADS 256
+#define EP_REDUCE_BATCH 8 /* slots whose rows the reduce loads before adding them */
 #define EP_BAD_T_MAX (-2) /* ep_verdict: a rank's layer has another max_tokens (*bad_rows) */
 
 // The call's verdict, the same on every rank: the layout valid and no rank above capacity.
@@ -274,7 +278,9 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
     src_start[p.nranks] = acc;
   }
   __syncthreads();
-  if (*p.status) ep_combine_send(p, src_start, epoch);
+  // The pull (the forward): nothing moves; the signal tells every rank that this rank's yk,
+  // written by the kernels before this one on its stream, may be read in place.
+  if (*p.status && !p.pull) ep_combine_send(p, src_start, epoch);
   tp_cta_signal_ranks(p, p.win.comb_ctr);
   const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.comb_ctr);
   tp_cta_wait_ranks(ctr, epoch, p, MOK_TP_WAIT_COMBINE);
@@ -282,7 +288,9 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
 }
 
 // y[t] = bf16(ys[t] + yk(t, 0) + ... + yk(t, K-1)): rows.cuh's additions in slot order, each
-// slot's row from this rank's yk (expert here) or from comb (combined home). A warp per token.
+// slot's row from this rank's yk (expert here) or from comb (combined home); with the pull (the
+// forward), from the yk region of its expert rank's window, at the slot's row there (slot_row).
+// A warp per token.
 __global__ void __launch_bounds__(EP_THREADS)
     ep_reduce_kernel(const __grid_constant__ mok_tp_params_t p) {
   // A forward whose waits timed out (the combine came after them) has wrong rows: its context
@@ -311,13 +319,26 @@ __global__ void __launch_bounds__(EP_THREADS)
     for (int64_t c = lane; c < H8; c += 32) {
       float acc[8];
       rl_load_ys(ys_t, c, true, acc);
-      for (int64_t k = 0; k < K; k++) {  // slot order: the order of the fp32 additions
-        const int32_t row = p.lay.slot_row[t * K + k];
-        if (row < 0) continue;  // empty slots are skipped, not added as zeros
-        const uint4 v = p.topk_idx[t * K + k] / p.EL == p.rank
-                            ? __ldcg(yk + (int64_t)row * H8 + c)
-                            : tp_ld_peer_v4(comb + (t * K + k) * H8 + c);
-        rl_add_bf16x8(acc, v);
+      // Slot order is the order of the fp32 additions; the rows of 8 slots are loaded first, so
+      // that their (remote) loads wait on one round trip, then added in order.
+      for (int64_t k0 = 0; k0 < K; k0 += EP_REDUCE_BATCH) {
+        uint4 v[EP_REDUCE_BATCH];
+        bool have[EP_REDUCE_BATCH];
+#pragma unroll
+        for (int j = 0; j < EP_REDUCE_BATCH; j++) {
+          const int64_t k = k0 + j;
+          const int32_t row = k < K ? p.lay.slot_row[t * K + k] : -1;
+          have[j] = row >= 0;  // empty slots are skipped, not added as zeros
+          if (!have[j]) continue;
+          const int d = (int)(p.topk_idx[t * K + k] / p.EL);  // the expert's rank
+          v[j] = p.pull ? tp_ld_peer_v4((const uint4 *)(p.peer[d] + p.win.yk) +
+                                        (int64_t)row * H8 + c)
+                 : d == p.rank ? __ldcg(yk + (int64_t)row * H8 + c)
+                               : tp_ld_peer_v4(comb + (t * K + k) * H8 + c);
+        }
+#pragma unroll
+        for (int j = 0; j < EP_REDUCE_BATCH; j++)
+          if (have[j]) rl_add_bf16x8(acc, v[j]);
       }
       y_t[c] = rl_pack_bf16x8(acc);
     }
