@@ -135,7 +135,7 @@ static mokResult_t bwd_fused(mok_layer_t l, const mok_forward_args_t *a,
   f.xg = WS(MOK_WS_XG), f.dyg = WS(MOK_WS_DYG);
   f.a = WS(MOK_WS_A), f.dg = WS(MOK_WS_DG), f.du = WS(MOK_WS_DU);
   f.wg = a->w.wg, f.wu = a->w.wu;
-  f.dxk = WS(MOK_WS_DXK);
+  f.dxk = c->dxk ? c->dxk : WS(MOK_WS_DXK);
   f.dwg = gr->dwg, f.dwu = gr->dwu, f.dwd = gr->dwd;
   f.wgrad_epilogue = l->d.wgrad_dtype == MOK_WGRAD_BF16 ? MOK_GG_EPI_STORE_BF16
                      : l->d.wgrad_accumulate           ? MOK_GG_EPI_ACCUM_F32
@@ -219,13 +219,14 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   sb.num_groups = E, sb.m_total = R, sb.n = I, sb.offsets = c->offsets;
   sb.g = g, sb.u = u, sb.ds = (const float *)WS(MOK_WS_DS), sb.row_w = c->row_w;
   sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
-  sb.dw_row = (float *)WS(MOK_WS_DW_ROW);
+  sb.dw_row = c->dw_row ? c->dw_row : (float *)WS(MOK_WS_DW_ROW);
   if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
   /* dxk [R, H] bf16 = bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I (Wg [E, I, H] is
    * B [E, K = I, N = H]; Wu the second segment's). Fused: in the kernel below. */
   mok_grouped_gemm_params_t dx = mok_gg_bf16_params(MOK_GG_EPI_STORE_BF16, MOK_GG_B_NMAJOR, E, R, H, I);
-  dx.a = WS(MOK_WS_DG), dx.b = a->w.wg, dx.offsets = c->offsets, dx.c = WS(MOK_WS_DXK);
+  dx.a = WS(MOK_WS_DG), dx.b = a->w.wg, dx.offsets = c->offsets;
+  dx.c = c->dxk ? c->dxk : WS(MOK_WS_DXK);
   dx.a2 = WS(MOK_WS_DU), dx.b2 = a->w.wu, dx.k2 = I;
   if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DG), WS(MOK_WS_DU), R, c->offsets + E, I, R4,
                                 WS(MOK_WS_AQ),
@@ -357,6 +358,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   c.ctx = ctx, c.row_w = gp.row_w, c.offsets = p.offsets, c.shared_offsets = p.shared_offsets;
   c.gather = &gp; /* x's and dy's: fp8 layers copy their e4m3 rows */
   c.reduce = &p;   /* the fused kernel reduces in it */
+  c.dxk = NULL, c.dw_row = NULL; /* the workspace's */
   if ((r = mok_gpu_backward_local(l, a, gr, &c, stream)) != MOK_SUCCESS) return r;
   if (!mok_gpu_backward_fused(l) && (r = mok_bwd_reduce_launch(&p, stream)) != MOK_SUCCESS)
     return mok_gpu_launcher_failed(l, r);

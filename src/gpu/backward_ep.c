@@ -17,8 +17,10 @@
  *                  experts over their rows in layout order, and of the shared expert over this
  *                  rank's tokens
  *                  (fp8-block: the chain's fp8 steps on the arrived rows, quantized per row)
- *   combine        dxk rows and the router-weight gradients home
- *   reduce         dx = bf16(dxs + Σ_k dxk) in slot order, dtopk_w
+ *   combine        a signal that this rank's dxk rows and router-weight gradients (the window's
+ *                  yk and yk_w regions, where the local chain wrote them) are complete
+ *   reduce         dx = bf16(dxs + Σ_k dxk) in slot order, dtopk_w, each slot's row and gradient
+ *                  read in its expert rank's window (the pull, as in the forward)
  *
  * EP-invariance: an expert's rows and their order are the W = 1 layer's over the ranks' tokens in
  * rank order, every GEMM row depends on its own A row, and each weight-gradient tile sums the
@@ -61,10 +63,9 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
     (q).status = c.status, (q).offsets = c.offsets;                         \
     (q).shared_offsets = c.shared_offsets, (q).layer_err = c.err;           \
     (q).xg = WS(MOK_WS_XG), (q).xg2 = WS(MOK_WS_DYG);                       \
-    (q).yk = WS(MOK_WS_DXK); /* bf16 dxk rows */                           \
+    (q).yk = (q).peer[(q).rank] + (q).win.yk; /* bf16 dxk rows, read in place */ \
     (q).ys = Is > 0 ? (const float *)WS(MOK_WS_DXS) : NULL;                 \
     (q).y = gr->dx, (q).dtopk_w = gr->dtopk_w;                              \
-    (q).row_val = (const float *)WS(MOK_WS_DW_ROW);                         \
   } while (0)
   if ((r = mok_transport_params(gl->tp, 0, stream, &p)) != MOK_SUCCESS)
     return mok_gpu_launcher_failed(l, r);
@@ -91,9 +92,12 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
   rows.offsets = c.offsets, rows.shared_offsets = c.shared_offsets;
   rows.gather = NULL; /* the rows arrived through the transport */
   rows.reduce = NULL; /* after the combine */
+  rows.dxk = p.peer[p.rank] + p.win.yk; /* the window's: the home ranks' reduce reads them */
+  rows.dw_row = (float *)(p.peer[p.rank] + p.win.yk_w);
   if ((r = mok_gpu_backward_local(l, a, gr, &rows, stream)) != MOK_SUCCESS) return r;
 
-  /* 6-7. The bf16 dxk rows and the router-weight gradients home; dx and dtopk_w there. */
+  /* 6-7. The signal that this rank's dxk rows and router-weight gradients are complete; dx and
+   * dtopk_w at each home rank from every rank's window. */
   if ((r = mok_transport_params(gl->tp, MOK_TP_COMBINE, stream, &p)) != MOK_SUCCESS)
     return mok_gpu_launcher_failed(l, r);
   EP_FILL(p);

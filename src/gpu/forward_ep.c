@@ -215,7 +215,6 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     return mok_gpu_launcher_failed(l, r);
   EP_FILL(p);
 #undef EP_FILL
-  p.pull = 1; /* the combine signals that yk is complete; the reduce reads the rows in place */
   if ((r = mok_ep_combine_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the combine kernel failed to launch");
   if ((r = mok_ep_reduce_launch(&p, stream)) != MOK_SUCCESS)

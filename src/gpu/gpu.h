@@ -83,6 +83,10 @@ typedef struct {
   /* W = 1: the dx reduce's parameters, for the fused backward kernel to reduce in it; NULL: the
    * caller reduces (expert parallel: after the combine) */
   const mok_bwd_local_params_t *reduce;
+  /* where the rows' bf16 dxk [R, H] and router-weight gradients [R] go: the workspace's (NULL),
+   * or, expert parallel, the transport window's yk and yk_w regions (the home ranks read them) */
+  void *dxk;
+  float *dw_row;
 } mok_bwd_rows_t;
 
 /* 1 when l's backward runs the fused kernel (src/cuda/backward/fused.cu) for its routed experts'

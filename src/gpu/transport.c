@@ -7,9 +7,11 @@
  * One transport = one symmetric window of
  *   flags [2, W] u64 | disp_ctr [W] u64 | comb_ctr [W] u64 | rec [W] u64 |
  *   slots [2, W, E + W + 4] int32 |
- *   recv_x [W * T_max, H] bf16 | recv_meta [W * T_max, K + 1] int32 | comb [T_max, K, H] bf16 |
- *   row_w, row_src [W * T_max * K] | recv_x2 [W * T_max, H] | comb_w [T_max, K] (layers only:
- *   each row's router weight and token source; the backward's dy rows and router gradients)
+ *   recv_x [W * T_max, H] bf16 | recv_meta [W * T_max, K + 1] int32 | comb [T_max, K, H] bf16
+ *   (the standalone transport's; empty in a layer's) | row_w, row_src [W * T_max * K] |
+ *   recv_x2 [W * T_max, H] | yk [yk_rows, H] bf16 | yk_w [yk_rows] fp32 (layers only: each row's
+ *   router weight and token source; the backward's dy rows; the expert rows' outputs and router
+ *   gradients, which the home ranks' reduce reads in place)
  * (regions 256-byte aligned), plus ordinary device memory for this rank's layout and error word.
  * A local communicator (W = 1, no NCCL) gets a plain cudaMalloc window.
  */
@@ -76,12 +78,12 @@ static void tp_window_layout(const mok_transport_desc_t *d, int W, mok_tp_window
   wl->slots = off, off = tp_align(off + 2 * (size_t)W * (size_t)wl->slot_ints * 4);
   wl->recv_x = off, off = tp_align(off + (size_t)W * T * H * 2);
   wl->recv_meta = off, off = tp_align(off + (size_t)W * T * (K + 1) * 4);
-  wl->comb = off, off = tp_align(off + T * K * H * 2);
+  wl->comb = off, off = tp_align(off + (d->yk_rows > 0 ? 0 : T * K * H * 2)); /* standalone */
   wl->row_w = off, off = tp_align(off + (size_t)W * T * K * 4);
   wl->row_src = off, off = tp_align(off + (size_t)W * T * K * 4);
   wl->recv_x2 = off, off = tp_align(off + (size_t)W * T * H * 2);
-  wl->comb_w = off, off = tp_align(off + T * K * 4);
   wl->yk = off, off = tp_align(off + (size_t)d->yk_rows * H * 2);
+  wl->yk_w = off, off = tp_align(off + (size_t)d->yk_rows * 4);
   wl->bytes = off;
 }
 
@@ -360,6 +362,10 @@ mokResult_t mok_transport_run(mok_transport_t t, int phases, const void *x, void
   if (res != MOK_SUCCESS) return res;
   if (phases < 1 || phases > MOK_TP_ALL)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "mok_transport_run: phases %d", phases);
+  if ((phases & (MOK_TP_COMBINE | MOK_TP_REDUCE)) && t->d.yk_rows > 0)
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                    "mok_transport_run: a layer's transport (yk_rows > 0) has no comb region: its "
+                    "reduce reads the expert rows in place");
   if (t->T < 0)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "mok_transport_run: call mok_transport_layout first");

@@ -90,7 +90,8 @@ typedef struct {
   int num_sms;         /* CTAs of the dispatch-and-combine kernel; 0 = 20. Fixed for the lifetime */
   double timeout_s;    /* bound of every wait; 0 = 10 s */
   int64_t yk_rows;     /* rows of the window's yk region (a layer: its routed-row capacity R,
-                          whose expert outputs the home ranks read in place); 0: none */
+                          whose expert outputs the home ranks read in place; its window then has
+                          no comb, and mok_transport_run refuses COMBINE and REDUCE); 0: none */
 } mok_transport_desc_t;
 
 /* Phases of mok_transport_run, in this order within a call. */
@@ -163,15 +164,17 @@ typedef struct {
   size_t slots;     /* [2, W, slot_ints] int32 all-gathered counts, by parity and source rank */
   size_t recv_x;    /* [W * T_max, H] bf16 received tokens */
   size_t recv_meta; /* [W * T_max, K + 1] int32 */
-  size_t comb;      /* [T_max, K, H] bf16 combined rows */
+  size_t comb;      /* [T_max, K, H] bf16 combined rows (the standalone transport; a layer's
+                       window has none: yk_rows > 0) */
   size_t row_w;     /* [W * T_max * K] fp32 (layers) router weight of each row of this rank's
                        experts, written by the row's home rank */
   size_t row_src;   /* [W * T_max * K] int32 (layers) where the row's token is: its recv_x
                        position p >= 0, or -(t + 1) for token t of this rank */
   size_t recv_x2;   /* [W * T_max, H] bf16 (layers' backward) dy of the tokens in recv_x */
-  size_t comb_w;    /* [T_max, K] fp32 (layers' backward) router-weight gradients sent home */
-  size_t yk;        /* [yk_rows, H] bf16 (layers' forward) outputs of this rank's expert rows,
-                       read by the rows' home ranks (the pull reduce) */
+  size_t yk;        /* [yk_rows, H] bf16 (layers) outputs of this rank's expert rows, read by
+                       the rows' home ranks (the pull reduce): the forward's yk, the backward's
+                       dxk */
+  size_t yk_w;      /* [yk_rows] fp32 (layers' backward) router-weight gradient of each row */
   size_t bytes;
   int64_t slot_ints; /* E + W + 4 per source: counts per expert, tokens per destination, header */
 } mok_tp_window_layout_t;
@@ -222,18 +225,14 @@ typedef struct {
   int32_t *shared_offsets;    /* [2] {0, T} (or {0, 0}) for the shared expert's GEMMs */
   void *layer_err;            /* the layer's mok_ws_error_t */
   void *xg;                   /* [R, H] bf16 rows of this rank's experts, in layout order */
-  const void *yk;             /* [R, H] bf16 expert outputs of those rows (the forward: the
-                                 window's yk region) */
-  int pull;                   /* the forward: combine only signals that this rank's yk is
-                                 complete, and the reduce reads each slot's row in its expert
-                                 rank's window (yk region) instead of comb */
+  const void *yk;             /* [R, H] bf16 expert outputs of those rows (the window's yk
+                                 region; the reduce reads every rank's) */
   const float *ys;            /* [T, H] fp32 shared-expert output, or NULL */
   /* ... and their backward (x, xg: the tokens' x; x2, xg2: their dy; y, yk, ys: dx, the rows'
    * bf16 dxk, the shared expert's fp32 dxs): */
   const void *x2;             /* [T, H] bf16 dy (gather: its rows from recv_x2 or here) */
   int recv_x2;                /* dispatch: x's rows go to recv_x2 (the backward's dy) */
   void *xg2;                  /* [R, H] bf16 dy rows of this rank's experts (gather) */
-  const float *row_val;       /* [R] router-weight gradient of each row: combine sends it home */
   float *dtopk_w;             /* [T, K] (reduce), or NULL in the forward */
   const int32_t *local_ok;    /* [1] the layout's all-gathered status is valid only if this is 1
                                  (the backward's context check), or NULL */
@@ -276,9 +275,11 @@ mokResult_t mok_ep_gather_launch(const mok_tp_params_t *p, void *stream);
  * from the received rows (a dispatch with p->xq) or this rank's xq. After dispatch. */
 mokResult_t mok_ep_gather_fp8_launch(const mok_tp_params_t *p, void *rq, float *rq_s,
                                      int64_t rs_ld, void *stream);
-/* The expert outputs yk of the other ranks' tokens to their home ranks' comb, then the waits. */
+/* A signal to every rank that this rank's yk (and yk_w) regions are complete, then the waits for
+ * every rank's: nothing moves (the reduce pulls). After the kernels that wrote them. */
 mokResult_t mok_ep_combine_launch(const mok_tp_params_t *p, void *stream);
-/* y[t] = bf16(ys[t] + Σ_k yk(t, k)) in slot order, yk from comb or from this rank's yk. */
+/* y[t] = bf16(ys[t] + Σ_k yk(t, k)) in slot order, each yk row read in its expert rank's window
+ * (the backward: dtopk_w from yk_w too). After the combine. */
 mokResult_t mok_ep_reduce_launch(const mok_tp_params_t *p, void *stream);
 
 /* Remote bytes (crossing NVLink) this rank sent in the last layout's dispatch and combine. */

@@ -13,12 +13,12 @@
  *             quantized x, ep_gather_fp8_kernel)
  *   (the grouped GEMMs of the W = 1 chain on this rank's experts: yk [rows, H]; the shared
  *   expert on this rank's tokens: ys)
- *   combine   the forward: a signal that this rank's yk (the window's yk region) is complete,
- *             then the wait for every rank's; the backward: dxk rows of the other ranks' tokens
- *             go home into comb[t, k] (with their router-weight gradients); signal, wait
+ *   combine   a signal that this rank's yk (the window's yk region: the forward's expert
+ *             outputs, the backward's dxk rows and, in yk_w, their router-weight gradients) is
+ *             complete, then the wait for every rank's
  *   reduce    y[t] = bf16(ys[t] + Σ_k yk(t, k)), slot order: the W = 1 reduce's additions
  *             (forward/rows.cuh), with each slot's row read where its expert rank wrote it (the
- *             forward's pull: one pass over the remote rows) or from comb or this rank's dxk
+ *             pull: one pass over the remote rows)
  *
  * EP-invariance: an expert's rows are the rows of the W = 1 layer over the ranks' tokens
  * concatenated in rank order, in the same order, and each GEMM output row depends only on its
@@ -222,65 +222,13 @@ __global__ void __launch_bounds__(EP_THREADS)
   }
 }
 
-// Sends yk of every row of the other ranks' tokens home: received token q (token t of rank s)
-// and each of its slots k on this rank's experts (row >= 0 in its meta): yk[row] -> comb[t, k] in
-// s's window. Rows of this rank's own tokens stay (the reduce reads them in yk). A warp per
-// received token, claimed from the transport's combine counter.
-__device__ __forceinline__ void ep_combine_send(const mok_tp_params_t &p, const int32_t *src_start,
-                                                uint64_t epoch) {
-  const int lane = threadIdx.x & 31;
-  const int64_t K = p.K, H = p.H, chunks = H / 8;
-  const int64_t items = tp_received_items(p, src_start);
-  uint32_t *claim = p.lay.claim + TP_CLAIM_COMBINE + (epoch & 1);
-  for (int64_t nx = tp_claim(claim, lane), i = __shfl_sync(0xffffffffu, nx, 0); i < items;
-       i = __shfl_sync(0xffffffffu, nx, 0)) {
-    nx = tp_claim(claim, lane);
-    const tp_received_t it = tp_received(p, src_start, i);
-    const int32_t *meta = it.meta;
-    const int s = it.s;
-    const int32_t t = it.t;
-    char *dst_tok = p.peer[s] + p.win.comb + (int64_t)t * K * H * 2;
-    for (int64_t k = 0; k < K; k++) {
-      const int32_t row = tp_ld_peer_i32(meta + 1 + k);
-      if (row < 0) continue;
-      if (p.row_val && lane == 0)  // the backward's router-weight gradient of the row
-        ((float *)(p.peer[s] + p.win.comb_w))[(int64_t)t * K + k] = p.row_val[row];
-      const char *src = (const char *)p.yk + (int64_t)row * H * 2;
-      char *dst = dst_tok + k * H * 2;
-      for (int64_t c0 = 0; c0 < chunks; c0 += 32 * TP_UNROLL) {
-        uint4 v[TP_UNROLL];
-#pragma unroll
-        for (int u = 0; u < TP_UNROLL; u++) {
-          const int64_t c = c0 + u * 32 + lane;
-          if (c < chunks) v[u] = tp_ld_peer_v4(src + c * 16);
-        }
-#pragma unroll
-        for (int u = 0; u < TP_UNROLL; u++) {
-          const int64_t c = c0 + u * 32 + lane;
-          if (c < chunks) tp_st_v4(dst + c * 16, v[u]);
-        }
-      }
-    }
-  }
-}
-
+// The combine of a layer: nothing moves (the pull: the home ranks' reduce reads the rows where
+// this rank wrote them). Each CTA signals every rank that this rank's yk and yk_w, written by the
+// kernels before this one on its stream, are complete (the release covers them), then waits for
+// every rank's signal.
 __global__ void __launch_bounds__(TP_THREADS, 1)
     ep_combine_kernel(const __grid_constant__ mok_tp_params_t p) {
-  __shared__ int32_t src_start[MOK_MAX_RANKS + 1];
   const uint64_t epoch = tp_epoch_begin(p, TP_EPOCH_COMBINE);
-  tp_claims_reset_next(p, TP_CLAIM_COMBINE, epoch);
-  if (threadIdx.x == 0) {
-    int32_t acc = 0;
-    for (int s = 0; s < p.nranks; s++) {
-      src_start[s] = acc;
-      acc += p.lay.token_count[s * p.nranks + p.rank];
-    }
-    src_start[p.nranks] = acc;
-  }
-  __syncthreads();
-  // The pull (the forward): nothing moves; the signal tells every rank that this rank's yk,
-  // written by the kernels before this one on its stream, may be read in place.
-  if (*p.status && !p.pull) ep_combine_send(p, src_start, epoch);
   tp_cta_signal_ranks(p, p.win.comb_ctr);
   const uint64_t *ctr = (const uint64_t *)(p.peer[p.rank] + p.win.comb_ctr);
   tp_cta_wait_ranks(ctr, epoch, p, MOK_TP_WAIT_COMBINE);
@@ -288,9 +236,8 @@ __global__ void __launch_bounds__(TP_THREADS, 1)
 }
 
 // y[t] = bf16(ys[t] + yk(t, 0) + ... + yk(t, K-1)): rows.cuh's additions in slot order, each
-// slot's row from this rank's yk (expert here) or from comb (combined home); with the pull (the
-// forward), from the yk region of its expert rank's window, at the slot's row there (slot_row).
-// A warp per token.
+// slot's row read in the yk region of its expert rank's window at the slot's row there
+// (slot_row), the backward's router-weight gradient in its yk_w region. A warp per token.
 __global__ void __launch_bounds__(EP_THREADS)
     ep_reduce_kernel(const __grid_constant__ mok_tp_params_t p) {
   // A forward whose waits timed out (the combine came after them) has wrong rows: its context
@@ -301,8 +248,6 @@ __global__ void __launch_bounds__(EP_THREADS)
   if (!*p.status) return;
   const int lane = threadIdx.x & 31;
   const int64_t K = p.K, H8 = p.H / 8;
-  const uint4 *comb = (const uint4 *)(p.peer[p.rank] + p.win.comb);
-  const uint4 *yk = (const uint4 *)p.yk;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
   for (int64_t t = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < p.T;
        t += warps) {
@@ -311,10 +256,9 @@ __global__ void __launch_bounds__(EP_THREADS)
     if (p.dtopk_w)  // the backward: each slot's router-weight gradient, 0 for an empty slot
       for (int64_t k = lane; k < K; k += 32) {
         const int32_t row = p.lay.slot_row[t * K + k];
-        p.dtopk_w[t * K + k] = row < 0 ? 0.0f
-                               : p.topk_idx[t * K + k] / p.EL == p.rank
-                                   ? __ldcg(p.row_val + row)
-                                   : __ldcg((const float *)(p.peer[p.rank] + p.win.comb_w) + t * K + k);
+        const int d = row < 0 ? p.rank : (int)(p.topk_idx[t * K + k] / p.EL);
+        p.dtopk_w[t * K + k] =
+            row < 0 ? 0.0f : __ldcg((const float *)(p.peer[d] + p.win.yk_w) + row);
       }
     for (int64_t c = lane; c < H8; c += 32) {
       float acc[8];
@@ -331,10 +275,7 @@ __global__ void __launch_bounds__(EP_THREADS)
           have[j] = row >= 0;  // empty slots are skipped, not added as zeros
           if (!have[j]) continue;
           const int d = (int)(p.topk_idx[t * K + k] / p.EL);  // the expert's rank
-          v[j] = p.pull ? tp_ld_peer_v4((const uint4 *)(p.peer[d] + p.win.yk) +
-                                        (int64_t)row * H8 + c)
-                 : d == p.rank ? __ldcg(yk + (int64_t)row * H8 + c)
-                               : tp_ld_peer_v4(comb + (t * K + k) * H8 + c);
+          v[j] = tp_ld_peer_v4((const uint4 *)(p.peer[d] + p.win.yk) + (int64_t)row * H8 + c);
         }
 #pragma unroll
         for (int j = 0; j < EP_REDUCE_BATCH; j++)
@@ -396,14 +337,16 @@ extern "C" mokResult_t mok_ep_gather_fp8_launch(const mok_tp_params_t *p, void *
 }
 
 extern "C" mokResult_t mok_ep_combine_launch(const mok_tp_params_t *p, void *stream) {
-  if (!p || !p->status || !p->yk) return MOK_ERROR_NULL_POINTER;
+  if (!p) return MOK_ERROR_NULL_POINTER;
+  if (p->win.yk_w <= p->win.yk) return MOK_ERROR_INVALID_VALUE;  // a window without yk_rows
   if (p->num_ctas < 1 || p->nranks > MOK_MAX_RANKS) return MOK_ERROR_INVALID_VALUE;
   ep_combine_kernel<<<p->num_ctas, TP_THREADS, 0, (cudaStream_t)stream>>>(*p);
   return ep_launched();
 }
 
 extern "C" mokResult_t mok_ep_reduce_launch(const mok_tp_params_t *p, void *stream) {
-  if (!p || !p->status || !p->yk || (p->T > 0 && !p->y)) return MOK_ERROR_NULL_POINTER;
+  if (!p || !p->status || (p->T > 0 && !p->y)) return MOK_ERROR_NULL_POINTER;
+  if (p->win.yk_w <= p->win.yk) return MOK_ERROR_INVALID_VALUE;  // a window without yk_rows
   if (p->T == 0) return MOK_SUCCESS;
   ep_reduce_kernel<<<ep_blocks(EP_THREADS / 32, p->T), EP_THREADS, 0, (cudaStream_t)stream>>>(*p);
   return ep_launched();

@@ -26,8 +26,9 @@
  *                                 (same blocks as recv_x)
  *   comb      [T_max, K, H] bf16  expert rows of this rank's tokens from other ranks' experts,
  *                                 by (token, slot)
- *   (layers: row_w, row_src, recv_x2, comb_w, and yk [R, H] bf16, the forward's expert outputs
- *   of this rank's rows, which the home ranks' reduce reads in place: comm.h)
+ *   (layers: no comb, but row_w, row_src, recv_x2, and yk [R, H] bf16 and yk_w [R] fp32, the
+ *   expert outputs of this rank's rows (the forward's yk, the backward's dxk and router-weight
+ *   gradients), which the home ranks' reduce reads in place: comm.h)
  *
  * Measured on two H200s (docs/performance.md, "Transport: push, pull and local rows"): 16-byte
  * stores from registers into the peer's window carry ~345 GB/s per direction once the local rows
