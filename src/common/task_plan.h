@@ -178,8 +178,8 @@ MOK_HD int64_t mok_plan_shared_begin(const mok_task_plan_t *p) {
 }
 
 /* The expert stage of expert task i (counted from mok_plan_experts_begin: mok_plan_stage_start(s)
- * <= i < the next stage's start, empty stages skipped). `hint`: the stage of an earlier task (0 if none). A
- * CTA's next ticket is about one grid of tasks later, usually in the same stage or the next, so a
+ * <= i < the next stage's start, empty stages skipped). `hint`: the stage of an earlier task (0
+ * if none). A CTA's next ticket is about one grid of tasks later, usually in the same stage or the next, so a
  * few steps forward from the hint end most searches; the rest (past runs of empty experts, or a
  * hint from a later task) take the binary search. */
 MOK_HD int32_t mok_plan_stage_of(const mok_task_plan_t *p, int64_t i, int32_t hint) {

@@ -63,7 +63,6 @@ mokResult_t mok_gpu_backward_ep(mok_layer_t l, const mok_forward_args_t *a,
     (q).status = c.status, (q).offsets = c.offsets;                         \
     (q).shared_offsets = c.shared_offsets, (q).layer_err = c.err;           \
     (q).xg = WS(MOK_WS_XG), (q).xg2 = WS(MOK_WS_DYG);                       \
-    (q).yk = (q).peer[(q).rank] + (q).win.yk; /* bf16 dxk rows, read in place */ \
     (q).ys = Is > 0 ? (const float *)WS(MOK_WS_DXS) : NULL;                 \
     (q).y = gr->dx, (q).dtopk_w = gr->dtopk_w;                              \
   } while (0)

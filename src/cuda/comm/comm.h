@@ -228,8 +228,8 @@ typedef struct {
   const void *yk;             /* [R, H] bf16 expert outputs of those rows (the window's yk
                                  region; the reduce reads every rank's) */
   const float *ys;            /* [T, H] fp32 shared-expert output, or NULL */
-  /* ... and their backward (x, xg: the tokens' x; x2, xg2: their dy; y, yk, ys: dx, the rows'
-   * bf16 dxk, the shared expert's fp32 dxs): */
+  /* ... and their backward (x, xg: the tokens' x; x2, xg2: their dy; y, ys: dx, the shared
+   * expert's fp32 dxs; the rows' bf16 dxk are in the window's yk region): */
   const void *x2;             /* [T, H] bf16 dy (gather: its rows from recv_x2 or here) */
   int recv_x2;                /* dispatch: x's rows go to recv_x2 (the backward's dy) */
   void *xg2;                  /* [R, H] bf16 dy rows of this rank's experts (gather) */
