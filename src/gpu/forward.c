@@ -196,7 +196,7 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   dn.a = WS(MOK_WS_AQ), dn.a_scale = (const float *)WS(MOK_WS_AQ_S), dn.a_scale_ld = R4;
   mok_gpu_qw_operand(l, &a->w, MOK_QW_WD, 0, &dn);
   dn.offsets = c->offsets;
-  dn.c = c->yk; /* [R, H]: the workspace's over xg, which no fp8 GEMM reads */
+  dn.c = c->yk; /* [R, H]: W = 1 the workspace's, over xg (no fp8 GEMM reads it); EP the window's */
   if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "fp8 routed down", stream)) != MOK_SUCCESS) return r;
 
   if (Is > 0 && T > 0) {

@@ -29,9 +29,10 @@
  * The context: its header (by prep, valid only when the call is), this rank's offsets, and in
  * SAVE mode bf16 g, u of this rank's rows (src/gpu/backward_ep.c reads them). yk lives in the
  * transport's window (its yk region, the layer's R rows): another rank's reduce reads it during
- * this call, and this rank rewrites it only in its next forward, after the next layout, whose
- * all-gather waits for every rank's next call, which its stream orders after its reduce. The transport counts its calls (epochs) on the device, so a
- * forward captured in a CUDA graph can be replayed (tests/gpu/test_ep.cu).
+ * this call, and this rank rewrites it only after its next layout (forward or backward), whose
+ * all-gather waits for every rank's next call, which its stream orders after its reduce. The
+ * transport counts its calls (epochs) on the device, so a forward captured in a CUDA graph can
+ * be replayed (tests/gpu/test_ep.cu).
  */
 #include <string.h>
 
