@@ -3,6 +3,11 @@ bench/fp8.py: MoK's fp8-block layer against MoK's BF16 layer (W = 1), in the sam
 same inputs: the forward, and forward + backward, at Qwen3-30B-A3B, Qwen3-235B-A22B and
 DeepSeek-V3 (with its shared expert), T = 16384 tokens, top-8 routing drawn uniformly at random.
 
+With --precision mxfp8 the fp8 layer is an MXFP8 one (1x32 blocks, E8M0 scales): it
+quantize-dequantizes its activations to bf16 and runs bf16 grouped GEMMs whose e4m3 weights are
+dequantized in shared memory (src/gpu/forward.c's gpu_forward_mx, the MXFP8 steps of
+src/gpu/backward.c).
+
 The fp8-block layer (fp32 scales; --scale pow2 for power-of-two ones) reads its weights quantized
 once by mok_quantize_weights (not timed: once per optimizer step), quantizes its activations per
 row in 1x128 blocks and runs e4m3 grouped GEMMs (src/gpu/forward.c's gpu_forward_fp8, the fp8
@@ -14,7 +19,8 @@ above 0.1 the case is reported as wrong and not timed), then times both (bench/g
 time_ms: blocked by default). speedup = bf16_ms / fp8_ms. Appends one JSON object per case to
 --jsonl (default bench/results/fp8.jsonl).
 
-    python3 bench/fp8.py [--commit SHA] [--cases substring] [--scale fp32|pow2]
+    python3 bench/fp8.py [--commit SHA] [--cases substring] [--precision fp8-block|mxfp8]
+                         [--scale fp32|pow2]
                          [--timing blocked|interleaved] [--profile]
 """
 import argparse
@@ -51,7 +57,7 @@ def run_case(model, args, gen):
     shape = dict(hidden=H, intermediate=I, num_experts=E, top_k=K, max_tokens=T,
                  shared_intermediate=Is, device="cuda:0", wgrad_fp32=False)
     bf = mok.Layer(**shape)
-    f8 = mok.Layer(**shape, precision="fp8-block", fp8_scale=args.scale)
+    f8 = mok.Layer(**shape, precision=args.precision, fp8_scale=args.scale)
     q = torch.empty(f8.quantized_weights_bytes(), device=dev, dtype=torch.uint8)
     f8.quantize_weights(w, q)
     stream = torch.cuda.current_stream(dev).cuda_stream
@@ -72,10 +78,15 @@ def run_case(model, args, gen):
     err = rel_err(y_f, y_b)
     flops = 6.0 * T * K * H * I + 6.0 * T * H * Is
     row = {"bench": "fp8", "case": f"{model}/T{T}", "device": torch.cuda.get_device_name(dev),
-           "precision": "fp8-block", "fp8_scale": args.scale, "commit": git_commit(args.commit),
+           "precision": args.precision, "commit": git_commit(args.commit),
            "torch": torch.__version__, "rel_err_vs_bf16": err,
-           "mok_path": "fp8: quantize x + fp8 gather + e4m3 grouped GEMMs (kernel chain); "
+           "mok_path": ("fp8: quantize x + fp8 gather + e4m3 grouped GEMMs (kernel chain); "
+                        if args.precision == "fp8-block" else
+                        "mxfp8: quantize-dequantize x, gather, bf16 grouped GEMMs on e4m3 weights "
+                        "dequantized in shared memory (kernel chain); ") +
                        "bf16: layout + fused persistent kernel"}
+    if args.precision == "fp8-block":
+        row["fp8_scale"] = args.scale
     rows = [row]
     if not err < 0.1:
         row["wrong"] = True
@@ -145,6 +156,8 @@ def main():
     ap.add_argument("--jsonl", default=os.path.join(HERE, "results", "fp8.jsonl"))
     ap.add_argument("--commit", default=None)
     ap.add_argument("--cases", default="", help="models whose name contains this (comma list)")
+    ap.add_argument("--precision", choices=("fp8-block", "mxfp8"), default="fp8-block",
+                    help="the fp8 layer's precision")
     ap.add_argument("--scale", choices=("fp32", "pow2"), default="fp32",
                     help="the fp8-block layer's scale rounding (mok_fp8_scale_t)")
     ap.add_argument("--warmup", type=int, default=3)

@@ -51,6 +51,9 @@
  *                  [2I/128, ld]        whose two segments share one scale array, du's after dg's)
  *   asq, asq2,     [T_max, Is] x 2     the shared expert's as; dgs, dus
  *   asq_s
+ * MXFP8 layers only (empty otherwise): bf16 activations quantize-dequantized (1x32 E8M0 blocks,
+ * mok_mx_qdq_rows_launch), which the MXFP8-B GEMMs read as A (the routed rows: xg and a, in place):
+ *   xdq            [T_max, H] bf16     forward: x (the shared expert's A, gathered into xg)
  *
  * Context (the caller's, mok_context_size bytes; written by forward, read by backward):
  *   header         mok_ctx_header_t    magic (0 when the call's routing was invalid), layer id, T,
@@ -122,6 +125,8 @@ typedef enum {
   /* fp8-block */
   MOK_WS_XQT, MOK_WS_XQT_S, MOK_WS_XQ, MOK_WS_XQ_S, MOK_WS_AQ, MOK_WS_AQ2, MOK_WS_AQ_S,
   MOK_WS_ASQ, MOK_WS_ASQ2, MOK_WS_ASQ_S,
+  /* MXFP8 */
+  MOK_WS_XDQ,
   MOK_WS_COUNT
 } mok_ws_region_t;
 
@@ -138,6 +143,7 @@ typedef struct {
   int save;     /* context_mode == MOK_CONTEXT_SAVE */
   int64_t wgrad_stage; /* fp32 elements of the wgrad32 region (0: bf16 gradients not accumulated) */
   int fp8;      /* precision == MOK_PRECISION_FP8_BLOCK: the e4m3 operand regions */
+  int mx;       /* precision == MOK_PRECISION_MXFP8: the dequantized activation regions */
 } mok_ws_dims_t;
 
 typedef struct {
@@ -268,6 +274,7 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_ASQ] = off, off = mok_ws_align(off + q * T * Is);
   l->ws[MOK_WS_ASQ2] = off, off = mok_ws_align(off + q * T * Is);
   l->ws[MOK_WS_ASQ_S] = off, off = mok_ws_align(off + q * (2 * Is / 128) * T4 * 4);
+  l->ws[MOK_WS_XDQ] = off, off = mok_ws_align(off + (d->mx ? T * H * 2 : 0));
   l->ws_bytes = off;
 
   off = 0;
@@ -302,6 +309,7 @@ MOK_WS_FN mok_ws_dims_t mok_ws_dims(const mok_layer_desc_t *desc, int64_t EL, in
                       ? (routed > shared ? routed : shared)
                       : 0;
   d.fp8 = desc->precision == MOK_PRECISION_FP8_BLOCK;
+  d.mx = desc->precision == MOK_PRECISION_MXFP8;
   return d;
 }
 

@@ -22,7 +22,9 @@
  * fp8-block layers run the same chain with e4m3 GEMMs for the recompute, ds and the data
  * gradients: dyg, dy (along H) and dg, du (along I) quantized per row in 1x128 blocks, times the
  * transposed weight copies of mok_quantize_weights; the weight gradients stay bf16 GEMMs of the
- * unquantized rows, as the reference's (src/cpu/ref_backward.c).
+ * unquantized rows, as the reference's (src/cpu/ref_backward.c). MXFP8 layers (W = 1) the same
+ * with the rows quantize-dequantized in 1x32 E8M0 blocks to bf16 and MXFP8-B GEMMs (bf16 MMA on
+ * the e4m3 weight copies, dequantized in shared memory).
  *
  * The steps from the gate/up recompute to the weight gradients are the local chain
  * (mok_gpu_backward_local), which the expert-parallel backward (gpu/backward_ep.c) runs too, on
@@ -51,6 +53,7 @@
 
 #include "cuda/backward/backward.h"
 #include "cuda/forward/forward.h"
+#include "cuda/quant/quant.h"
 
 /* T = 0: nothing was routed; overwritten weight gradients become zeros. */
 static mokResult_t bwd_zero_wgrads(mok_layer_t l, const mok_backward_args_t *g, void *stream) {
@@ -117,6 +120,65 @@ static mokResult_t fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, con
   return MOK_SUCCESS;
 }
 
+/* MXFP8: in = bf16 rows [rows, cols] (rows below *limit when limit is set) quantize-dequantized
+ * into out (mok_mx_qdq_rows_launch). */
+static mokResult_t mx_qdq(mok_layer_t l, const void *in, void *out, int64_t rows, int64_t cols,
+                          const int32_t *limit, void *stream) {
+  const mokResult_t r = mok_mx_qdq_rows_launch(in, out, rows, cols, limit, stream);
+  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+}
+
+/* MXFP8, RECOMPUTE mode: g, u (and gs, us) again, bit for bit the forward's: the same MXFP8 x
+ * rows (quantize-dequantize is per row, so that of the gathered xg equals the gather of the
+ * forward's xdq) into `xq` [R, H], and the forward's MXFP8-B SwiGLU GEMMs. */
+static mokResult_t mx_recompute(mok_layer_t l, const mok_forward_args_t *a,
+                                const mok_bwd_rows_t *c, void *xq, void *stream) {
+  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
+                Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
+#define WS(region) mok_gpu_ws(l, region)
+  mokResult_t r = mx_qdq(l, WS(MOK_WS_XG), xq, R, H, c->offsets + E, stream);
+  if (r != MOK_SUCCESS) return r;
+  mok_grouped_gemm_params_t gu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
+  gu.a = xq;
+  mok_gpu_qw_operand(l, &a->w, MOK_QW_WG, 0, &gu);
+  mok_gpu_qw_operand(l, &a->w, MOK_QW_WU, 1, &gu);
+  gu.offsets = c->offsets, gu.row_scale = c->row_w;
+  gu.c = WS(MOK_WS_A), gu.g_out = WS(MOK_WS_G), gu.u_out = WS(MOK_WS_U); /* a: overwritten later */
+  if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "MXFP8 recompute gate/up", stream)) != MOK_SUCCESS)
+    return r;
+  if (Is > 0 && T > 0) {
+    if ((r = mx_qdq(l, a->x, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS) return r;
+    mok_grouped_gemm_params_t sgu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
+    sgu.a = WS(MOK_WS_XDQ);
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSU, 1, &sgu);
+    sgu.offsets = c->shared_offsets;
+    sgu.c = WS(MOK_WS_AS), sgu.g_out = WS(MOK_WS_GS), sgu.u_out = WS(MOK_WS_US);
+    r = mok_gpu_gemm(l, &sgu, "mok_backward", "MXFP8 recompute shared gate/up", stream);
+  }
+#undef WS
+  return r;
+}
+
+/* MXFP8: the data-gradient GEMM p (dxk, or the shared dxs) on dg and du [rows, n] quantize-
+ * dequantized along n into q, q2, times the transposed MXFP8 copies of the gate and up weights
+ * (gate_t, then the up copy after it): one reduction of 2n, gate first. */
+static mokResult_t mx_dx_params(mok_layer_t l, const mok_forward_args_t *a, const void *dg,
+                                const void *du, int64_t rows, const int32_t *limit, int64_t n,
+                                void *q, void *q2, mok_qw_which_t gate_t,
+                                mok_grouped_gemm_params_t *p, void *stream) {
+  mokResult_t r = mx_qdq(l, dg, q, rows, n, limit, stream);
+  if (r == MOK_SUCCESS) r = mx_qdq(l, du, q2, rows, n, limit, stream);
+  if (r != MOK_SUCCESS) return r;
+  mok_grouped_gemm_params_t f = mok_gg_mx_params(p->epilogue, p->num_groups, p->m_total, p->n, n);
+  f.a = q, f.a2 = q2, f.k2 = n;
+  mok_gpu_qw_operand(l, &a->w, gate_t, 0, &f);
+  mok_gpu_qw_operand(l, &a->w, (mok_qw_which_t)(gate_t + 1), 1, &f);
+  f.offsets = p->offsets, f.c = p->c;
+  *p = f;
+  return MOK_SUCCESS;
+}
+
 int mok_gpu_backward_fused(mok_layer_t l) {
   return l->tuning.backward_path == MOK_BACKWARD_FUSED &&
          l->d.precision == MOK_PRECISION_BF16 &&
@@ -160,11 +222,18 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
                 Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE, shared = Is > 0 && T > 0;
   const int fp8 = l->d.precision == MOK_PRECISION_FP8_BLOCK, fused = mok_gpu_backward_fused(l);
+  const int mx = l->d.precision == MOK_PRECISION_MXFP8;
   const int64_t R4 = mok_ws_ld4(R), T4 = mok_ws_ld4(l->d.max_tokens);
   const mok_ws_layout_t *lay = &l->gpu->lay; /* computed once, at mok_layer_create */
   mokResult_t r;
 #define WS(region) mok_gpu_ws(l, region)
 #define CTX(region) ((const void *)(c->ctx + lay->ctx[region]))
+  /* MXFP8's dequantized rows, in regions free at the time (src/common/workspace.h): x or dy rows
+   * [R, H] in dxk's (the dx GEMM writes it after the last reader), dg, du [R, I] in ds's halves
+   * and dgs, dus in dss's (both dead once the SwiGLU backward has read them), x or dy [T, H] in
+   * xdq. */
+  uint8_t *xq = (uint8_t *)WS(MOK_WS_DXK), *gq = (uint8_t *)WS(MOK_WS_DS);
+  uint8_t *sq = (uint8_t *)WS(MOK_WS_DSS);
 
   /* bf16 g, u: saved by forward, or recomputed here by the forward's own GEMMs. */
   const void *g = save ? CTX(MOK_CTX_G) : WS(MOK_WS_G), *u = save ? CTX(MOK_CTX_U) : WS(MOK_WS_U);
@@ -172,6 +241,8 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   const void *us = save ? CTX(MOK_CTX_US) : WS(MOK_WS_US);
   if (!save && fp8) {
     if ((r = fp8_recompute(l, a, c, stream)) != MOK_SUCCESS) return r;
+  } else if (!save && mx) {
+    if ((r = mx_recompute(l, a, c, xq, stream)) != MOK_SUCCESS) return r;
   } else if (!save) {
     mok_grouped_gemm_params_t gu =
         mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, E, R, I, H);
@@ -211,6 +282,13 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WD_T, 0, &dsp);
     dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
   }
+  if (mx) {
+    if ((r = mx_qdq(l, WS(MOK_WS_DYG), xq, R, H, c->offsets + E, stream)) != MOK_SUCCESS) return r;
+    dsp = mok_gg_mx_params(MOK_GG_EPI_STORE_F32, E, R, I, H);
+    dsp.a = xq;
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WD_T, 0, &dsp);
+    dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
+  }
   if ((r = mok_gpu_gemm(l, &dsp, "mok_backward", "routed ds", stream)) != MOK_SUCCESS) return r;
 
   /* SwiGLU backward: a, dg, du [R, I], dw_row [R]. */
@@ -233,6 +311,9 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
                                 WS(MOK_WS_AQ2), (float *)WS(MOK_WS_AQ_S), MOK_QW_WG_T, &dx,
                                 stream)) != MOK_SUCCESS)
     return r;
+  if (mx && (r = mx_dx_params(l, a, WS(MOK_WS_DG), WS(MOK_WS_DU), R, c->offsets + E, I, gq,
+                              gq + R * I * 2, MOK_QW_WG_T, &dx, stream)) != MOK_SUCCESS)
+    return r;
   if (!fused && (r = mok_gpu_gemm(l, &dx, "mok_backward", "routed dx", stream)) != MOK_SUCCESS)
     return r;
 
@@ -244,6 +325,13 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     if (fp8) { /* dy quantized in xqt by mok_gpu_fp8_rows */
       ss = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, 1, T, Is, H);
       ss.a = WS(MOK_WS_XQT), ss.a_scale = (const float *)WS(MOK_WS_XQT_S), ss.a_scale_ld = T4;
+      mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD_T, 0, &ss); /* [Is, H] */
+      ss.offsets = c->shared_offsets, ss.c = WS(MOK_WS_DSS);
+    }
+    if (mx) {
+      if ((r = mx_qdq(l, gr->dy, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS) return r;
+      ss = mok_gg_mx_params(MOK_GG_EPI_STORE_F32, 1, T, Is, H);
+      ss.a = WS(MOK_WS_XDQ);
       mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD_T, 0, &ss); /* [Is, H] */
       ss.offsets = c->shared_offsets, ss.c = WS(MOK_WS_DSS);
     }
@@ -262,6 +350,9 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
                                   WS(MOK_WS_ASQ),
                                   WS(MOK_WS_ASQ2), (float *)WS(MOK_WS_ASQ_S), MOK_QW_WSG_T, &sx,
                                   stream)) != MOK_SUCCESS)
+      return r;
+    if (mx && (r = mx_dx_params(l, a, WS(MOK_WS_DGS), WS(MOK_WS_DUS), T, NULL, Is, sq,
+                                sq + T * Is * 2, MOK_QW_WSG_T, &sx, stream)) != MOK_SUCCESS)
       return r;
     if ((r = mok_gpu_gemm(l, &sx, "mok_backward", "shared dx", stream)) != MOK_SUCCESS) return r;
   }

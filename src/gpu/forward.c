@@ -13,7 +13,8 @@
  * The layer's tuning (src/common/tuning.h) can select the kernel chain the fused kernel was built
  * from and is tested against, bit for bit (MOK_FORWARD_CHAIN): layout, gather (x -> xg), the
  * gate/up, down, shared gate/up and shared down grouped GEMMs, reduce. fp8-block layers run a
- * chain of the same shape with e4m3 GEMMs (gpu_forward_fp8). No tuning value changes a
+ * chain of the same shape with e4m3 GEMMs (gpu_forward_fp8), MXFP8 layers one with bf16 GEMMs
+ * on MXFP8 values (gpu_forward_mx). No tuning value changes a
  * bit of the results. Buffers are the regions of src/common/workspace.h. Errors the kernels find
  * (bad routing, capacity overflow) make the call compute nothing and wait in the workspace's
  * error word for mok_layer_check (src/gpu/layer.c).
@@ -25,6 +26,7 @@
 
 #ifdef MOK_WITH_CUDA
 #include "cuda/forward/forward.h"
+#include "cuda/quant/quant.h"
 
 /* The layout kernel's parameters for one call (the chain's kernels take them too). */
 static mok_fwd_local_params_t gpu_local_params(mok_layer_t l, const mok_forward_args_t *a, void *y,
@@ -232,6 +234,69 @@ static mokResult_t gpu_forward_fp8(mok_layer_t l, const mok_forward_args_t *a,
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }
 
+/* MXFP8 (W = 1): the bf16 chain on MXFP8 values. x is quantize-dequantized once per token (xdq,
+ * the shared expert's A) and gathered; a and as likewise, in place, after their SwiGLU GEMMs;
+ * every GEMM reads its weights as e4m3 with E8M0 scales (MOK_GG_MXFP8_B, dequantized to bf16 in
+ * shared memory). The activations' values are those of the reference's quantization points
+ * (src/cpu/ref.h) exactly (mok_mx_qdq_rows_launch says when bf16 rounds the tiniest). */
+static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
+                                  const mok_fwd_local_params_t *pp, char *ctx, void *stream) {
+  const mok_ws_layout_t *lay = &l->gpu->lay;
+  const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
+                Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
+  const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
+  mok_fwd_local_params_t p = *pp;
+  mokResult_t r;
+#define WS(region) mok_gpu_ws(l, region)
+#define QDQ(buf, rows, cols, limit)                                                          \
+  if ((r = mok_mx_qdq_rows_launch(buf, buf, rows, cols, limit, stream)) != MOK_SUCCESS)       \
+    return mok_gpu_launcher_failed(l, r);
+  if ((r = mok_mx_qdq_rows_launch(a->x, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS)
+    return mok_gpu_launcher_failed(l, r);
+  p.x = WS(MOK_WS_XDQ);
+  if ((r = mok_fwd_gather_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
+
+  mok_grouped_gemm_params_t gu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
+  gu.a = p.xg;
+  mok_gpu_qw_operand(l, &a->w, MOK_QW_WG, 0, &gu);
+  mok_gpu_qw_operand(l, &a->w, MOK_QW_WU, 1, &gu);
+  gu.offsets = p.offsets, gu.row_scale = p.row_w, gu.c = WS(MOK_WS_A);
+  gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
+  gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
+  if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "MXFP8 routed gate/up", stream)) != MOK_SUCCESS)
+    return r;
+  QDQ(WS(MOK_WS_A), R, I, p.offsets + E);
+  mok_grouped_gemm_params_t dn = mok_gg_mx_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
+  dn.a = WS(MOK_WS_A);
+  mok_gpu_qw_operand(l, &a->w, MOK_QW_WD, 0, &dn);
+  dn.offsets = p.offsets, dn.c = (void *)p.yk; /* over xg, which gate/up has read */
+  if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "MXFP8 routed down", stream)) != MOK_SUCCESS)
+    return r;
+
+  if (Is > 0) {
+    mok_grouped_gemm_params_t sgu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
+    sgu.a = WS(MOK_WS_XDQ);
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSU, 1, &sgu);
+    sgu.offsets = p.shared_offsets, sgu.c = WS(MOK_WS_AS);
+    sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
+    sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
+    if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "MXFP8 shared gate/up", stream)) != MOK_SUCCESS)
+      return r;
+    QDQ(WS(MOK_WS_AS), T, Is, NULL);
+    mok_grouped_gemm_params_t sdn = mok_gg_mx_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
+    sdn.a = WS(MOK_WS_AS);
+    mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD, 0, &sdn);
+    sdn.offsets = p.shared_offsets, sdn.c = (void *)p.ys;
+    if ((r = mok_gpu_gemm(l, &sdn, "mok_forward", "MXFP8 shared down", stream)) != MOK_SUCCESS)
+      return r;
+  }
+#undef QDQ
+#undef WS
+  r = mok_fwd_reduce_launch(&p, stream);
+  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+}
+
 mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y, void *ctx,
                             mok_stream_t stream) {
   int prev;
@@ -247,6 +312,7 @@ mokResult_t mok_gpu_forward(mok_layer_t l, const mok_forward_args_t *a, void *y,
   if (r != MOK_SUCCESS) r = mok_gpu_launcher_failed(l, r);
   else if (a->num_tokens > 0) /* else the layout wrote the context header; nothing else to do */
     r = l->d.precision == MOK_PRECISION_FP8_BLOCK ? gpu_forward_fp8(l, a, &p, ctx, stream)
+        : l->d.precision == MOK_PRECISION_MXFP8   ? gpu_forward_mx(l, a, &p, ctx, stream)
         : l->tuning.forward_path == MOK_FORWARD_CHAIN ? gpu_forward_chain(l, a, &p, ctx, stream)
                                                       : gpu_forward_fused(l, a, &p, ctx, stream);
   cudaSetDevice(prev);

@@ -158,8 +158,8 @@ mokResult_t mok_gpu_fp8_rows(mok_layer_t l, const struct mok_fwd_local_params *g
                              const void *src, const void *rows, const int32_t *offsets, int64_t T,
                              void *stream);
 
-/* fp8-block layers: B and b_scale of a GEMM (p->b, p->b_scale; second = 1: p->b2, p->b2_scale) from
- * operand copy `which` of the caller's quantized weights w. */
+/* fp8 layers: B and its scales of a GEMM (p->b and p->b_scale, or p->b_e8m0 for MXFP8; second =
+ * 1: p->b2 and its scales) from operand copy `which` of the caller's quantized weights w. */
 void mok_gpu_qw_operand(mok_layer_t l, const mok_weights_t *w, mok_qw_which_t which, int second,
                         mok_grouped_gemm_params_t *p);
 

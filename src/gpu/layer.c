@@ -2,8 +2,9 @@
  * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h, and with W > 1 its
  * transport), its sizes, the start of every call on it, and the asynchronous errors its kernels
  * report through the workspace's error word and the transport's (mok_layer_check). BF16 layers
- * and fp8-block layers run on the GPU; MXFP8 layers allocate nothing and report
- * MOK_ERROR_NOT_IMPLEMENTED from their calls.
+ * and fp8-block layers run on the GPU; MXFP8 layers run their forward at W = 1 (their backward
+ * reports MOK_ERROR_NOT_IMPLEMENTED: src/gpu/backward.c), and with W > 1 allocate nothing and
+ * report MOK_ERROR_NOT_IMPLEMENTED from their calls.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,7 +22,8 @@
 #ifdef MOK_WITH_CUDA
 
 static int gpu_runs(mok_layer_t l) {
-  return l->d.precision == MOK_PRECISION_BF16 || l->d.precision == MOK_PRECISION_FP8_BLOCK;
+  return l->d.precision == MOK_PRECISION_BF16 || l->d.precision == MOK_PRECISION_FP8_BLOCK ||
+         l->comm->nranks == 1;
 }
 
 mokResult_t mok_gpu_cuda_fail(mok_layer_t l, const char *call, cudaError_t e) {
@@ -56,9 +58,9 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
   const mok_shape_t shape = {l->d.max_tokens, l->d.hidden, l->d.intermediate,
                              l->d.shared_intermediate, l->EL, l->d.top_k, l->capacity_rows};
   char why[256];
-  /* fp8-block: where the operand copies lie in the caller's quantized weights (H, I, Is are
+  /* fp8: where the operand copies lie in the caller's quantized weights (H, I, Is are
    * multiples of 128, the scale blocks: src/api/layer.c) */
-  if (l->d.precision == MOK_PRECISION_FP8_BLOCK) mok_qw_layout(&l->d, l->EL, &g->qw);
+  if (l->d.precision != MOK_PRECISION_BF16) mok_qw_layout(&l->d, l->EL, &g->qw);
   if (mok_shape_check(&shape, why, sizeof(why)) != MOK_SUCCESS) {
     mok_gpu_layer_destroy(l);
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "mok_layer_create on a GPU: %s", why);
@@ -155,9 +157,10 @@ size_t mok_gpu_context_bytes(mok_layer_t l) {
 static mokResult_t gpu_check_supported(mok_layer_t l, const char *fn) {
   if (!gpu_runs(l))
     return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "%s on GPU %d: MXFP8 layers are not implemented on the GPU yet (BF16 and "
-                    "fp8-block are); use one of those, or MOK_DEVICE_CPU for the reference",
-                    fn, l->comm->device);
+                    "%s on GPU %d: MXFP8 layers with expert parallelism (W = %d) are not "
+                    "implemented on the GPU yet (W = 1 forward is; BF16 and fp8-block run at "
+                    "every W); use one of those, or MOK_DEVICE_CPU for the reference",
+                    fn, l->comm->device, l->comm->nranks);
   if (!l->gpu || !l->gpu->ws)
     return mok_fail(l, MOK_ERROR_INTERNAL, "%s: GPU layer without a workspace", fn);
   return MOK_SUCCESS;
@@ -229,12 +232,15 @@ void mok_gpu_qw_operand(mok_layer_t l, const mok_weights_t *w, mok_qw_which_t wh
                         mok_grouped_gemm_params_t *p) {
   const mok_qw_operand_t *o = &l->gpu->qw.op[which];
   const uint8_t *base = (const uint8_t *)w->quantized;
+  const int mx = l->d.precision == MOK_PRECISION_MXFP8; /* E8M0 bytes, else fp32 scales */
   if (second) {
     p->b2 = base + o->data;
-    p->b2_scale = (const float *)(base + o->scales);
+    if (mx) p->b2_e8m0 = base + o->scales;
+    else p->b2_scale = (const float *)(base + o->scales);
   } else {
     p->b = base + o->data;
-    p->b_scale = (const float *)(base + o->scales);
+    if (mx) p->b_e8m0 = base + o->scales;
+    else p->b_scale = (const float *)(base + o->scales);
   }
 }
 

@@ -1,8 +1,9 @@
 /*
  * test_fp8_layer.cu: fp8-block GPU layers with W = 1 (src/gpu/forward.c's gpu_forward_fp8 and the
- * fp8 steps of src/gpu/backward.c) against the CPU layer's fp8-block path on the same inputs and
- * the same quantized weights (mok_quantize_weights on each side: byte for byte the same buffer,
- * test_quantize.cu), in both scale roundings (fp32 and power-of-two scales): y, dx, dtopk_w and
+ * fp8 steps of src/gpu/backward.c), and MXFP8 layers (gpu_forward_mx, the MXFP8 steps of the
+ * backward), against the CPU layer's fp8 paths on the same inputs and the same quantized weights
+ * (mok_quantize_weights on each side: byte for byte the same buffer, test_quantize.cu), in both
+ * scale roundings (fp32 and power-of-two scales; MXFP8: E8M0): y, dx, dtopk_w and
  * every weight gradient; routing edge cases; bitwise run-to-run determinism; RECOMPUTE equal to
  * SAVE bitwise; and what such a layer refuses. Every test skips without a GPU.
  *
@@ -45,18 +46,27 @@ static void grid_fill(std::vector<uint16_t> &v, int e) {
 // p as a grid problem (above): x = k 2^-2, weights k 2^-5, dy k 2^-3; power-of-two scales. The
 // e4m3 values are then multiples of 64 up to 256, products of multiples of 4096 up to 2^16, and a
 // 128-term block sum at most 2^23 in steps of 2^12: exact in any accumulator of 11 bits or more.
-static void grid_problem(fwd_problem_t *p, std::vector<uint16_t> *dy) {
+// MXFP8's 1x32 blocks of such values have the same power-of-two scales as 1x128 blocks (each
+// block's amax is 4 times its power of two, or a block is all zeros) and the bf16 MMA on them is
+// exact as well.
+static void grid_problem(fwd_problem_t *p, std::vector<uint16_t> *dy,
+                         mok_precision_t prec = MOK_PRECISION_FP8_BLOCK) {
   grid_fill(p->x, -2);
   std::vector<uint16_t> *w[6] = {&p->wg, &p->wu, &p->wd, &p->wsg, &p->wsu, &p->wsd};
   for (auto *v : w) grid_fill(*v, -5);
   if (dy) grid_fill(*dy, -3);
-  p->prec = MOK_PRECISION_FP8_BLOCK;
+  p->prec = prec;
   p->fp8_scale = MOK_FP8_SCALE_POW2;
 }
 
-static void fp8_set(fwd_problem_t *f, mok_fp8_scale_t scale) {
-  f->prec = MOK_PRECISION_FP8_BLOCK;
+static void fp8_set(fwd_problem_t *f, mok_fp8_scale_t scale,
+                    mok_precision_t prec = MOK_PRECISION_FP8_BLOCK) {
+  f->prec = prec;
   f->fp8_scale = scale;
+}
+
+static const char *prec_name(mok_precision_t p) {
+  return p == MOK_PRECISION_MXFP8 ? "MXFP8" : "fp8-block";
 }
 
 // ||gpu - ref|| / ||ref|| of n values; 0 when both are 0.
@@ -81,21 +91,22 @@ static void expect_close(const char *what, const char *name, const std::vector<d
 /* ---------------------------------------------------------------------------------------------- */
 
 // A forward of shape (H, I, Is, K, T) with `route`: grid (element by element) or random
-// inputs in `scale` (relative L2).
+// inputs in `scale` (relative L2), in precision `prec` (fp8-block or MXFP8).
 static void fwd_case(int grid, int64_t H, int64_t I, int64_t Is, int64_t K, int64_t T,
                      test_route_t route, mok_fp8_scale_t scale, mok_context_mode_t mode,
-                     const char *what) {
+                     const char *what, mok_precision_t prec = MOK_PRECISION_FP8_BLOCK) {
   fwd_problem_t p;
   fwd_problem_init(&p, H, I, 8, K, Is, T, T > 0 ? T : 16);
   fwd_route(&p, route);
-  if (grid) grid_problem(&p, NULL);
-  else fp8_set(&p, scale);
+  if (grid) grid_problem(&p, NULL, prec);
+  else fp8_set(&p, scale, prec);
   p.mode = mode;
   test_gpu_layer_t g;
   MOK_REQUIRE(fwd_gpu_open(&g, &p));
   char name[160];
-  snprintf(name, sizeof(name), "fp8-block %s %s %s %s", grid ? "grid" : "random",
-           scale_name(p.fp8_scale), mode == MOK_CONTEXT_SAVE ? "SAVE" : "RECOMPUTE", what);
+  snprintf(name, sizeof(name), "%s %s %s %s %s", prec_name(prec), grid ? "grid" : "random",
+           prec == MOK_PRECISION_MXFP8 ? "e8m0" : scale_name(p.fp8_scale),
+           mode == MOK_CONTEXT_SAVE ? "SAVE" : "RECOMPUTE", what);
   if (grid) {
     fwd_check_against_cpu(&g, &p, name);
   } else {
@@ -163,24 +174,89 @@ MOK_TEST(fp8_gpu_forward_differs_from_bf16_within_e4m3) {
 }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* MXFP8 forward (W = 1)                                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+// The random problems' relative L2 bound is fp8-block's (above): MXFP8 has the same e4m3 values
+// with finer blocks, and bf16 MMA on them (the products exact, fp32 sums) instead of fp8 MMA, so
+// its differences from the reference's fp32 GEMMs are those of the BF16 layer plus the re-rounding
+// of an e4m3 value wherever a bf16 a differs by an ulp.
+
+MOK_TEST(mx_gpu_forward_matches_cpu) {
+  NEED_GPU();
+  const test_route_t r = {0.1, 0, -1};
+  const mok_context_mode_t save = MOK_CONTEXT_SAVE, rec = MOK_CONTEXT_RECOMPUTE;
+  const mok_precision_t mx = MOK_PRECISION_MXFP8;
+  const mok_fp8_scale_t sc = MOK_FP8_SCALE_FP32;  // MXFP8 ignores it: E8M0 scales
+  for (int grid = 1; grid >= 0; grid--) {
+    fwd_case(grid, 256, 128, 0, 2, 100, r, sc, save, "I=128", mx);
+    fwd_case(grid, 256, 256, 128, 2, 100, r, sc, save, "I=256 Is=128", mx);
+    fwd_case(grid, 384, 384, 256, 4, 300, r, sc, rec, "H=384 I=384 Is=256 K=4", mx);
+    fwd_case(grid, 512, 640, 128, 8, 700, r, sc, save, "H=512 I=640 K=8 T=700", mx);
+  }
+}
+
+MOK_TEST(mx_gpu_forward_routing_edge_cases) {
+  NEED_GPU();
+  const test_route_t empty_experts = {0.0, (1u << 0) | (1u << 3) | (1u << 6), -1};
+  const test_route_t one_expert = {0.0, 0, 5};
+  const test_route_t many_empty = {0.45, 0, -1};
+  const test_route_t all_empty = {1.0, 0, -1};
+  const mok_fp8_scale_t sc = MOK_FP8_SCALE_FP32;
+  const mok_context_mode_t save = MOK_CONTEXT_SAVE;
+  const mok_precision_t mx = MOK_PRECISION_MXFP8;
+  fwd_case(1, 256, 128, 128, 2, 100, empty_experts, sc, save, "empty experts", mx);
+  fwd_case(1, 256, 128, 128, 2, 100, one_expert, sc, save, "one expert", mx);
+  fwd_case(1, 256, 128, 128, 3, 100, many_empty, sc, save, "-1 slots", mx);
+  fwd_case(1, 256, 128, 128, 2, 100, all_empty, sc, save, "all -1", mx);
+  fwd_case(1, 256, 128, 128, 2, 1, many_empty, sc, save, "T=1", mx);
+}
+
+// Quantized, not bf16: y within e4m3 accuracy of the BF16 layer's and not equal to it; two runs
+// and RECOMPUTE against SAVE bitwise equal.
+MOK_TEST(mx_gpu_forward_differs_from_bf16_and_repeats_bitwise) {
+  NEED_GPU();
+  fwd_problem_t p;
+  fwd_problem_init(&p, 256, 256, 8, 2, 128, 200, 200);
+  std::vector<uint16_t> y[4];
+  for (int q = 0; q < 4; q++) {  // BF16, MXFP8 SAVE twice, MXFP8 RECOMPUTE
+    if (q) p.prec = MOK_PRECISION_MXFP8;
+    p.mode = q == 3 ? MOK_CONTEXT_RECOMPUTE : MOK_CONTEXT_SAVE;
+    test_gpu_layer_t g;
+    MOK_REQUIRE(fwd_gpu_open(&g, &p));
+    fwd_gpu_inputs(&g, &p);
+    MOK_REQUIRE_MSG(test_gpu_layer_forward(&g, p.T, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+    MOK_REQUIRE_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
+    y[q] = fwd_gpu_y(&g, p.T, p.H);
+    test_gpu_layer_close(&g);
+  }
+  const double rel = rel_l2(bf16_values(y[1].data(), y[1].size()), bf16_values(y[0].data(), y[0].size()));
+  printf("    MXFP8 against BF16: relative L2 difference of y %.4f\n", rel);
+  MOK_EXPECT_MSG(rel > 0.005 && rel < 0.15, "relative difference %.4f", rel);  // as fp8-block's
+  MOK_EXPECT_MSG(y[1] == y[2], "MXFP8 y differs between two runs");
+  MOK_EXPECT_MSG(y[1] == y[3], "MXFP8 y differs between SAVE and RECOMPUTE");
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Backward                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
 static void bwd_case(int grid, int64_t I, int64_t Is, int64_t K, int64_t T, test_route_t route,
                      mok_fp8_scale_t scale, mok_wgrad_dtype_t wdt, int accumulate,
-                     mok_context_mode_t mode, const char *what) {
+                     mok_context_mode_t mode, const char *what,
+                     mok_precision_t prec = MOK_PRECISION_FP8_BLOCK) {
   bwd_problem_t p;
   bwd_problem_init(&p, 256, I, 8, K, Is, T, T > 0 ? T : 16);
   fwd_route(&p.f, route);
-  if (grid) grid_problem(&p.f, &p.dy);
-  else fp8_set(&p.f, scale);
+  if (grid) grid_problem(&p.f, &p.dy, prec);
+  else fp8_set(&p.f, scale, prec);
   p.f.mode = mode;
   bwd_set_wgrad(&p, wdt, accumulate);
   bwd_gpu_t g;
   MOK_REQUIRE(bwd_gpu_open(&g, &p));
   char name[160];
-  snprintf(name, sizeof(name), "fp8-block %s %s %s %s", grid ? "grid" : "random",
-           scale_name(p.f.fp8_scale), mode == MOK_CONTEXT_SAVE ? "SAVE" : "RECOMPUTE", what);
+  snprintf(name, sizeof(name), "%s %s %s %s %s", prec_name(prec), grid ? "grid" : "random",
+           prec == MOK_PRECISION_MXFP8 ? "e8m0" : scale_name(p.f.fp8_scale),
+           mode == MOK_CONTEXT_SAVE ? "SAVE" : "RECOMPUTE", what);
   if (grid) {
     bwd_check_against_cpu(&g, &p, name);
   } else {
@@ -219,18 +295,40 @@ MOK_TEST(fp8_gpu_backward_matches_cpu) {
   }
 }
 
-// RECOMPUTE's gate/up replays the forward's fp8 GEMM on the same e4m3 rows: every gradient equals
-// SAVE's bit for bit; two runs are bitwise equal.
+MOK_TEST(mx_gpu_backward_matches_cpu) {
+  NEED_GPU();
+  const test_route_t r = {0.1, 0, -1};
+  const test_route_t empty_experts = {0.3, (1u << 1) | (1u << 4), -1};
+  const mok_context_mode_t save = MOK_CONTEXT_SAVE, rec = MOK_CONTEXT_RECOMPUTE;
+  const mok_fp8_scale_t sc = MOK_FP8_SCALE_FP32;
+  const mok_precision_t mx = MOK_PRECISION_MXFP8;
+  for (int grid = 1; grid >= 0; grid--) {
+    bwd_case(grid, 128, 0, 2, 100, r, sc, MOK_WGRAD_FP32, 0, save, "I=128", mx);
+    bwd_case(grid, 256, 128, 2, 100, r, sc, MOK_WGRAD_FP32, 0, rec, "I=256 Is=128", mx);
+    bwd_case(grid, 256, 128, 4, 200, r, sc, MOK_WGRAD_BF16, 1, rec,
+             "I=256 Is=128 K=4 bf16 accumulated", mx);
+    bwd_case(grid, 128, 128, 2, 100, empty_experts, sc, MOK_WGRAD_FP32, 0, save,
+             "empty experts, -1 slots", mx);
+  }
+}
+
+// RECOMPUTE's gate/up replays the forward's fp8 GEMM on the same e4m3 rows (MXFP8: the same
+// dequantized rows and MXFP8-B GEMM): every gradient equals SAVE's bit for bit; two runs are
+// bitwise equal.
 MOK_TEST(fp8_gpu_recompute_equals_save_and_runs_repeat_bitwise) {
   NEED_GPU();
-  bwd_problem_t p;
-  bwd_problem_init(&p, 256, 256, 8, 2, 128, 300, 300);
-  fp8_set(&p.f, MOK_FP8_SCALE_FP32);
-  bwd_out_t o[3];
-  MOK_REQUIRE(bwd_gpu_runs_in_mode(&p, MOK_CONTEXT_SAVE, 1, &o[0]));
-  MOK_REQUIRE(bwd_gpu_runs_in_mode(&p, MOK_CONTEXT_RECOMPUTE, 2, &o[1]));  // o[1], o[2]
-  MOK_EXPECT_MSG(bwd_same(&o[0], &o[1]), "fp8-block RECOMPUTE differs from SAVE");
-  MOK_EXPECT_MSG(bwd_same(&o[1], &o[2]), "fp8-block gradients differ between two runs");
+  for (int m = 0; m < 2; m++) {
+    const mok_precision_t prec = m ? MOK_PRECISION_MXFP8 : MOK_PRECISION_FP8_BLOCK;
+    bwd_problem_t p;
+    bwd_problem_init(&p, 256, 256, 8, 2, 128, 300, 300);
+    fp8_set(&p.f, MOK_FP8_SCALE_FP32, prec);
+    bwd_out_t o[3];
+    MOK_REQUIRE(bwd_gpu_runs_in_mode(&p, MOK_CONTEXT_SAVE, 1, &o[0]));
+    MOK_REQUIRE(bwd_gpu_runs_in_mode(&p, MOK_CONTEXT_RECOMPUTE, 2, &o[1]));  // o[1], o[2]
+    MOK_EXPECT_MSG(bwd_same(&o[0], &o[1]), "%s RECOMPUTE differs from SAVE", prec_name(prec));
+    MOK_EXPECT_MSG(bwd_same(&o[1], &o[2]), "%s gradients differ between two runs",
+                   prec_name(prec));
+  }
 }
 
 /* ---------------------------------------------------------------------------------------------- */

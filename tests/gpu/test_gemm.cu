@@ -97,6 +97,21 @@ MOK_TEST(gemm_launcher_rejects_bad_arguments) {
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
   p = base; p.dtype = MOK_GG_FP8_BLOCK; p.a_scale = p.b_scale = fs; p.b_layout = MOK_GG_B_NMAJOR;
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  // MXFP8 B: its E8M0 scales (up's with SwiGLU, B2's with a second segment), K % 64 == 0,
+  // K-major B and a storing epilogue
+  const uint8_t *e8 = (const uint8_t *)ok;
+  p = base; p.dtype = MOK_GG_MXFP8_B;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p.b_e8m0 = e8; p.k = 96;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  p.k = base.k; p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
+  p.epilogue = MOK_GG_EPI_ACCUM_F32;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  p.epilogue = base.epilogue; p.b_layout = MOK_GG_B_NMAJOR;
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NOT_IMPLEMENTED);
+  p.b_layout = MOK_GG_B_KMAJOR; p.k2 = 64; p.a2 = p.b2 = ok;  // no b2_e8m0
+  MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_NULL_POINTER);
   p = base; p.b_layout = MOK_GG_B_NMAJOR; p.k = 72;  // N-major B needs K % 64 == 0
   MOK_EXPECT(mok_grouped_gemm_launch(&p, NULL) == MOK_ERROR_INVALID_SHAPE);
   p = base; p.b_layout = MOK_GG_B_NMAJOR; p.epilogue = MOK_GG_EPI_SWIGLU; p.b2 = ok;

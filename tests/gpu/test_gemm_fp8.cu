@@ -1,8 +1,9 @@
 /*
  * test_gemm_fp8.cu: the fp8-block path of the grouped GEMM (e4m3 operands, 1x128 activation and
- * 128x128 weight scales, promotion every 128 reduction elements) against fp64 sums on the host;
- * ragged and empty groups, rows outside every group untouched, bitwise run to run, whatever
- * the CTA count and whichever layout the activation scales come in.
+ * 128x128 weight scales, promotion every 128 reduction elements) and its MXFP8-B path (bf16 A,
+ * e4m3 B with 1x32 E8M0 scales) against fp64 sums on the host; ragged and empty groups, rows
+ * outside every group untouched, bitwise run to run, whatever the CTA count and whichever layout
+ * the activation scales come in.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -400,4 +401,95 @@ MOK_TEST(gemm_fp8_block_two_segments_equal_one) {
   check_fp8_segments(pr, 256, MOK_GG_EPI_STORE_BF16);
   check_fp8_segments(pr, 256, MOK_GG_EPI_STORE_F32);
   check_fp8_segments(make_problem(128, 256, {5, 0, 40}, 2, 3), 256, MOK_GG_EPI_STORE_BF16);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* MXFP8 B (bf16 A, e4m3 B with 1x32 E8M0 scales, dequantized to bf16 in shared memory)            */
+/* ---------------------------------------------------------------------------------------------- */
+
+// C = A · deq(B)ᵀ (+ A2 · deq(B2)ᵀ with k2 > 0) against fp64 sums. Every product of a bf16 and an
+// e4m3 value times a power of two is exact in fp32 (8 + 4 significant bits), so the GPU's only
+// errors are fp32 additions, at most about K · 2^-24 of Σ|t| (atol 2^-12 Σ|t|, far above that),
+// and the output's rounding (bf16: 2^-8 |ref|). A wrong scale, chunk or swizzle gives errors of
+// the order of the terms. Rows outside every group stay untouched; 5 CTAs and one per SM give
+// the same bits. N = 384 makes each group's second column tile read the next group's B rows and
+// the last group's read past B (zero-filled, their scales not loaded).
+static void check_mx(const problem_t &pr, int K2, mok_gg_epilogue_t epi) {
+  const int G = pr.G, M = pr.M, N = pr.N, K = pr.K, KT = K + K2;
+  std::vector<uint16_t> a((size_t)M * K), a2((size_t)M * (K2 ? K2 : 1));
+  std::vector<uint8_t> b((size_t)G * N * K), b2((size_t)G * N * (K2 ? K2 : 1));
+  std::vector<uint8_t> sb((size_t)G * N * (K / 32)), sb2((size_t)G * N * (K2 ? K2 / 32 : 1));
+  fill_bf16(a, 1.0f);
+  fill_bf16(a2, 1.0f);
+  for (auto &v : b) v = rnd_e4m3();
+  for (auto &v : b2) v = rnd_e4m3();
+  for (auto &v : sb) v = (uint8_t)(118 + test_rng_u32(&g_rng) % 12);  // 2^-9 .. 2^2
+  for (auto &v : sb2) v = (uint8_t)(118 + test_rng_u32(&g_rng) % 12);
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+  const int f32 = epi == MOK_GG_EPI_STORE_F32;
+  const size_t cbytes = (size_t)M * N * (f32 ? 4 : 2);
+  uint16_t *da = to_dev(a), *da2 = to_dev(a2);
+  uint8_t *db = to_dev(b), *db2 = to_dev(b2), *dsb = to_dev(sb), *dsb2 = to_dev(sb2);
+  int32_t *doffs = to_dev(offs32);
+  void *dc = NULL;
+  cudaMalloc(&dc, cbytes);
+  MOK_REQUIRE(da && da2 && db && db2 && dsb && dsb2 && doffs && dc);
+  mok_grouped_gemm_params_t p = gemm_params(MOK_GG_MXFP8_B, epi, G, M, N, K, da, db, doffs, dc);
+  p.b_e8m0 = dsb;
+  if (K2) p.a2 = da2, p.b2 = db2, p.k2 = K2, p.b2_e8m0 = dsb2;
+  p.num_sms = 5;
+  std::vector<uint8_t> c(cbytes), c2(cbytes);
+  cudaMemset(dc, 0xFF, cbytes);
+  mokResult_t res = mok_grouped_gemm_launch(&p, NULL);
+  cudaError_t err = cudaDeviceSynchronize();
+  MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "MXFP8 B: launch %d, cuda %s",
+                  (int)res, cudaGetErrorString(err));
+  cudaMemcpy(c.data(), dc, cbytes, cudaMemcpyDeviceToHost);
+  p.num_sms = 0;
+  cudaMemset(dc, 0xFF, cbytes);
+  MOK_REQUIRE(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  cudaMemcpy(c2.data(), dc, cbytes, cudaMemcpyDeviceToHost);
+  MOK_EXPECT_MSG(c == c2, "MXFP8 B (epilogue %d, K2 %d): a CTA per SM differs", (int)epi, K2);
+  int bad = 0;
+  for (int r = 0; r < M; r++) {
+    const int g = group_of_row(pr, r);
+    for (int n = 0; n < N; n++) {
+      const size_t i = (size_t)r * N + n;
+      const double got = f32 ? ((float *)c.data())[i] : bf2f(((uint16_t *)c.data())[i]);
+      if (g < 0) {
+        const int kept = f32 ? ((uint32_t *)c.data())[i] == 0xFFFFFFFFu
+                             : ((uint16_t *)c.data())[i] == 0xFFFF;
+        if (!kept && bad++ < 5) mok_test_fail(__FILE__, __LINE__, "row %d (no group) written", r);
+        continue;
+      }
+      const size_t brow = (size_t)g * N + n;
+      double ref = 0, mag = 0;
+      for (int k = 0; k < KT; k++) {
+        const int s = k >= K;  // the second segment
+        const int kk = s ? k - K : k, ks = s ? K2 : K;
+        const double t = bf2f((s ? a2 : a)[(size_t)r * ks + kk]) *
+                         e4m3_to_double((s ? b2 : b)[brow * ks + kk]) *
+                         ldexp(1.0, (int)(s ? sb2 : sb)[brow * (ks / 32) + kk / 32] - 127);
+        ref += t;
+        mag += fabs(t);
+      }
+      const double tol = 0x1p-12 * mag + (f32 ? 0.0 : 0x1p-8) * fabs(ref);
+      if (!(fabs(got - ref) <= tol) && bad++ < 5)
+        mok_test_fail(__FILE__, __LINE__, "MXFP8 B (%d,%d): got %.6g, ref %.6g (tol %.3g)", r, n,
+                      got, ref, tol);
+    }
+  }
+  MOK_EXPECT_MSG(bad == 0, "MXFP8 B (epilogue %d, K2 %d): %d bad elements", (int)epi, K2, bad);
+  cudaFree(da); cudaFree(da2); cudaFree(db); cudaFree(db2); cudaFree(dsb); cudaFree(dsb2);
+  cudaFree(doffs); cudaFree(dc);
+}
+
+MOK_TEST(gemm_mx_b_matches_host) {
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  const problem_t pr = make_problem(384, 192, {130, 0, 1, 75}, 3, 5);
+  check_mx(pr, 0, MOK_GG_EPI_STORE_F32);
+  check_mx(pr, 0, MOK_GG_EPI_STORE_BF16);
+  check_mx(pr, 128, MOK_GG_EPI_STORE_F32);  // a second segment: 3 + 2 K blocks
+  check_mx(make_problem(256, 64, {200, 64}, 0, 0), 64, MOK_GG_EPI_STORE_BF16);
 }

@@ -506,6 +506,62 @@ MOK_TEST(quant_gpu_launch_matches_host) {
   MOK_EXPECT_MSG(passed == cases, "%d of %d launcher cases agree with the host", passed, cases);
 }
 
+// mok_mx_qdq_rows_launch (the MXFP8 layer's activations): each element bf16(q * 2^X) of the host's
+// 1x32 E8M0 quantization (mok_quantize_host, mok_dequantize_host, round to nearest bf16), bit for
+// bit (NaN: any NaN), in every source mode; in place; rows at or past rows_limit untouched.
+MOK_TEST(quant_gpu_mx_qdq_matches_host) {
+  QT_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37, cols = 384;
+  const size_t n = (size_t)(rows * cols);
+  int bad = 0;
+  for (int mode = 0; mode < 3; mode++)
+    for (int variant = 0; variant < 3; variant++) {  // separate out, in place, rows_limit 20
+      std::vector<uint16_t> in(n), got(n), want(n);
+      std::vector<float> f(n), deq(n);
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) in[(size_t)(r * cols + c)] = qt_source_value(mode, r, c, (int)(r % 9) - 4);
+      for (size_t i = 0; i < n; i++) f[i] = bf2f(in[i]);
+      std::vector<uint8_t> q(n), sc(n / 32);
+      MOK_REQUIRE(mok_quantize_host(f.data(), rows, cols, 1, 32, MOK_QUANT_E8M0_SCALE, q.data(),
+                                    sc.data()) == MOK_SUCCESS);
+      MOK_REQUIRE(mok_dequantize_host(q.data(), sc.data(), rows, cols, 1, 32,
+                                      MOK_QUANT_E8M0_SCALE, deq.data()) == MOK_SUCCESS);
+      const int64_t limit = variant == 2 ? 20 : rows;
+      for (size_t i = 0; i < n; i++)
+        want[i] = (int64_t)(i / cols) < limit ? f2bf(deq[i]) : (uint16_t)0xFFFF;
+      uint16_t *din = to_dev(in), *dout = NULL;
+      int32_t *dlim = to_dev(std::vector<int32_t>{(int32_t)limit});
+      cudaMalloc(&dout, n * 2);
+      MOK_REQUIRE(din && dout && dlim);
+      cudaMemset(dout, 0xFF, n * 2);
+      uint16_t *dst = variant == 1 ? din : dout;
+      if (variant == 2) cudaMemset(din + 20 * cols, 0xFF, (size_t)(rows - 20) * cols * 2);
+      if (variant == 2) dst = din;  // in place, the rows past the limit poisoned and kept
+      MOK_REQUIRE(mok_mx_qdq_rows_launch(din, dst, rows, cols, variant == 2 ? dlim : NULL, NULL) ==
+                  MOK_SUCCESS);
+      MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+      cudaMemcpy(got.data(), dst, n * 2, cudaMemcpyDeviceToHost);
+      for (size_t i = 0; i < n; i++) {
+        const bool nan = (want[i] & 0x7FFF) > 0x7F80 && (int64_t)(i / cols) < limit;
+        const bool ok = nan ? (got[i] & 0x7FFF) > 0x7F80 : got[i] == want[i];
+        if (!ok && bad++ < 5)
+          mok_test_fail(__FILE__, __LINE__, "mode %d variant %d element %zu: got %04x, want %04x",
+                        mode, variant, i, got[i], want[i]);
+      }
+      cudaFree(din);
+      cudaFree(dout);
+      cudaFree(dlim);
+    }
+  MOK_EXPECT_MSG(bad == 0, "%d elements differ from the host", bad);
+  // argument checks
+  uint16_t *d = NULL;
+  cudaMalloc(&d, 1024);
+  MOK_EXPECT(mok_mx_qdq_rows_launch(d, d, 2, 96, NULL, NULL) == MOK_ERROR_INVALID_SHAPE);
+  MOK_EXPECT(mok_mx_qdq_rows_launch(NULL, d, 2, 128, NULL, NULL) == MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_mx_qdq_rows_launch(d + 1, d, 2, 128, NULL, NULL) == MOK_ERROR_MISALIGNED);
+  cudaFree(d);
+}
+
 // Transposed scales (scales_ld > 0, the fp8 GEMM's K-block-major activation scales): the same
 // e4m3 values, and every scale where the row-major launch put it, transposed, with the padding
 // past the block rows untouched; 2 matrices, 1x128 and 1x32 blocks, ragged rows and columns.

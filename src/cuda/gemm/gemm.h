@@ -20,10 +20,17 @@ extern "C" {
 /* Operand precision. */
 typedef enum {
   MOK_GG_BF16 = 0,      /* bf16 A and B, fp32 accumulation */
-  MOK_GG_FP8_BLOCK = 1  /* e4m3 A (1x128 scales) and B (128x128 scales), fp32 promotion every
+  MOK_GG_FP8_BLOCK = 1, /* e4m3 A (1x128 scales) and B (128x128 scales), fp32 promotion every
                            128 reduction elements; K % 128 == 0, N % 128 == 0, B K-major;
                            SwiGLU (b2 = up, b2_scale) and a second segment (a2, b2, b2_scale,
                            K2 % 128 == 0, a_scale K-block major over both) as below */
+  MOK_GG_MXFP8_B = 2    /* bf16 A (the layer's MXFP8 activations, already dequantized:
+                           mok_mx_qdq_rows_launch) and MXFP8 B: e4m3 [G, N, K] K-major with one
+                           E8M0 byte per 1x32 block along K (b_e8m0 [G N, K / 32]), dequantized to
+                           bf16 in shared memory (gemm/grouped_gemm_mx.cuh), fp32 accumulation;
+                           K % 64 == 0 (and K2), epilogues STORE_BF16, STORE_F32 and SWIGLU (b2 =
+                           up, b2_e8m0), a second segment (a2 bf16, b2, b2_e8m0: K-major B2
+                           [G, N, K2]) with STORE_BF16 or STORE_F32 */
 } mok_gg_dtype_t;
 
 /* Memory layout of B per group. */
@@ -83,6 +90,10 @@ typedef struct {
                                 (>= m_total, a multiple of 4; a_scale 16-byte aligned): each K
                                 block's row scales are then contiguous, and the kernel loads a
                                 tile's with the tile's operands (faster) */
+  const uint8_t *b_e8m0;     /* MXFP8 B: [G N, K / 32] E8M0 scales of B (row-major, the layout
+                                of mok_quantize_weights' MXFP8 copies) */
+  const uint8_t *b2_e8m0;    /* MXFP8 B, SwiGLU: up's [G N, K / 32]; with k2 > 0: B2's
+                                [G N, K2 / 32] */
   int group_m;               /* row tiles per band of the tile order: 0 = by B's size against
                                 the L2 (mok_tile_group_m; the default), -1 = none, n > 0 = n */
 } mok_grouped_gemm_params_t;
@@ -136,6 +147,14 @@ static inline mok_grouped_gemm_params_t mok_gg_fp8_params(mok_gg_epilogue_t epi,
                                                           int64_t m, int64_t n, int64_t k) {
   mok_grouped_gemm_params_t p = mok_gg_bf16_params(epi, MOK_GG_B_KMAJOR, groups, m, n, k);
   p.dtype = MOK_GG_FP8_BLOCK;
+  return p;
+}
+
+/* The same for a GEMM with MXFP8 B (K-major); the callers add b_e8m0 (and b2_e8m0). */
+static inline mok_grouped_gemm_params_t mok_gg_mx_params(mok_gg_epilogue_t epi, int64_t groups,
+                                                         int64_t m, int64_t n, int64_t k) {
+  mok_grouped_gemm_params_t p = mok_gg_bf16_params(epi, MOK_GG_B_KMAJOR, groups, m, n, k);
+  p.dtype = MOK_GG_MXFP8_B;
   return p;
 }
 

@@ -81,6 +81,10 @@ typedef struct {
   const float *b_scale;    // fp8-block: [G, N/128, K/128]
   const float *b2_scale;   // fp8-block: up's (SwiGLU) or the second segment's [G, N/128, K2/128]
   int64_t a_scale_ld;      // fp8-block: 0, or the row stride of K-block-major a_scale
+  const uint8_t *b_e8m0;   // MXFP8 B: [G N, K/32] E8M0
+  const uint8_t *b2_e8m0;  // MXFP8 B: up's [G N, K/32] (SwiGLU) or B2's [G N, K2/32]
+  int64_t b_rows;          // MXFP8 B: G N, the rows of B (and B2)
+  int kq1, kq2;            // MXFP8 B: scale bytes per row of B (K/32) and of B2 (K2/32)
 } gg_kernel_params_t;
 
 // How the consumers learn their tiles: the producer thread walks the order (gg_sched_next) and
@@ -270,6 +274,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 }
 
 #include "cuda/gemm/grouped_gemm_fp8.cuh"
+#include "cuda/gemm/grouped_gemm_mx.cuh"
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Launcher                                                                                        */
@@ -280,7 +285,8 @@ static int gg_aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   if (!p) return MOK_ERROR_NULL_POINTER;
   if (!p->a || !p->b || !p->c || !p->offsets) return MOK_ERROR_NULL_POINTER;
-  if (p->dtype != MOK_GG_BF16 && p->dtype != MOK_GG_FP8_BLOCK) return MOK_ERROR_INVALID_VALUE;
+  if (p->dtype != MOK_GG_BF16 && p->dtype != MOK_GG_FP8_BLOCK && p->dtype != MOK_GG_MXFP8_B)
+    return MOK_ERROR_INVALID_VALUE;
   if (p->b_layout != MOK_GG_B_KMAJOR && p->b_layout != MOK_GG_B_NMAJOR)
     return MOK_ERROR_INVALID_VALUE;
   if ((int)p->epilogue < 0 || p->epilogue > MOK_GG_EPI_SWIGLU) return MOK_ERROR_INVALID_VALUE;
@@ -309,7 +315,7 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   }
   if (p->k2 != 0) {  // a second reduction segment: N-major bf16, or fp8-block (K-major)
     if (p->dtype == MOK_GG_BF16 && p->b_layout != MOK_GG_B_NMAJOR) return MOK_ERROR_NOT_IMPLEMENTED;
-    if (p->dtype == MOK_GG_FP8_BLOCK && p->epilogue != MOK_GG_EPI_STORE_BF16 &&
+    if (p->dtype != MOK_GG_BF16 && p->epilogue != MOK_GG_EPI_STORE_BF16 &&
         p->epilogue != MOK_GG_EPI_STORE_F32)
       return MOK_ERROR_NOT_IMPLEMENTED;
     if (!p->a2 || !p->b2) return MOK_ERROR_NULL_POINTER;
@@ -336,6 +342,13 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
     if (p->k % 128 != 0 || p->n % 128 != 0 || p->k2 % 128 != 0)
       return MOK_ERROR_INVALID_SHAPE;  // scale blocks
     if (p->b_layout != MOK_GG_B_KMAJOR) return MOK_ERROR_NOT_IMPLEMENTED;  // fp8 wgmma: K-major
+  }
+  if (p->dtype == MOK_GG_MXFP8_B) {
+    if (!p->b_e8m0 || ((p->epilogue == MOK_GG_EPI_SWIGLU || p->k2 != 0) && !p->b2_e8m0))
+      return MOK_ERROR_NULL_POINTER;
+    if (p->k % 64 != 0) return MOK_ERROR_INVALID_SHAPE;  // two scale blocks per stage
+    if (p->b_layout != MOK_GG_B_KMAJOR || p->epilogue == MOK_GG_EPI_ACCUM_F32)
+      return MOK_ERROR_NOT_IMPLEMENTED;
   }
   return MOK_SUCCESS;
 }
@@ -396,6 +409,7 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
 
   const int swiglu = p->epilogue == MOK_GG_EPI_SWIGLU;
   gg_kernel_params_t kp;
+  memset(&kp, 0, sizeof(kp));
   kp.offsets = p->offsets;
   kp.offsets_int64 = p->offsets_int64;
   kp.num_groups = (int)p->num_groups;
@@ -411,7 +425,7 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
   kp.u_out = swiglu ? p->u_out : NULL;
   // one group's B: N x K elements (SwiGLU: gate and up, N each)
   kp.group_m = mok_tile_group_m(p->group_m, (swiglu ? 2 : 1) * p->n * p->k *
-                                                 (p->dtype == MOK_GG_FP8_BLOCK ? 1 : 2));
+                                                 (p->dtype == MOK_GG_BF16 ? 2 : 1));
 
   kp.a_scale = p->a_scale;
   kp.a_scale_ld = p->a_scale_ld;
@@ -454,6 +468,8 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
 #undef GG8_LAUNCH
     return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
   }
+
+  if (p->dtype == MOK_GG_MXFP8_B) return gg_run_mx(p, &kp, grid, s);
 
   gg_maps_t m;
   const uint64_t rows_b = (uint64_t)(p->num_groups * p->n);
@@ -516,7 +532,11 @@ extern "C" mokResult_t mok_gg_preload(void) {
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_BF16, 5, 1, TP_FP8_B_ONE>),
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_ONE>),
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_BF16, 5, 1, TP_FP8_B_SEGMENTS>),
-      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_SEGMENTS>)};
+      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_SEGMENTS>),
+      // the MXFP8 layers'
+      cudaFuncGetAttributes(&a, gg_mx_kernel<MOK_GG_EPI_SWIGLU>),
+      cudaFuncGetAttributes(&a, gg_mx_kernel<MOK_GG_EPI_STORE_BF16>),
+      cudaFuncGetAttributes(&a, gg_mx_kernel<MOK_GG_EPI_STORE_F32>)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();

@@ -81,6 +81,16 @@ __device__ __forceinline__ float ptx_ld_shared_f32(uint32_t addr) {
   return v;
 }
 
+// A 16-byte load from shared memory at a shared-window address (volatile, as ptx_ld_shared_f32).
+__device__ __forceinline__ uint4 ptx_ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // Barriers are named by their shared-memory address (ptx_smem_addr) in the *_at forms: hot loops
 // compute it once, since converting a generic pointer costs several instructions at every use.
 __device__ __forceinline__ void ptx_mbar_arrive_at(uint32_t bar) {

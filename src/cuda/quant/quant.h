@@ -54,6 +54,17 @@ typedef struct {
  * succeeds without touching the device. */
 mokResult_t mok_quantize_launch(const mok_quantize_params_t *p, void *stream);
 
+/* MXFP8 activations as the layer's bf16 GEMMs read them: out [rows, cols] bf16 holds, for every
+ * element of in [rows, cols] bf16, its MXFP8 value (1x32 blocks along cols, E8M0 scales, exactly
+ * as mok_quantize_host quantizes them) dequantized, q * 2^X, rounded to bf16. That rounding is
+ * exact (q has 4 significant bits) whenever q * 2^X is a bf16 normal, i.e. for every block whose
+ * scale exponent X is at least -117 (amax above about 2^-109); below that the tiniest values
+ * round to bf16 subnormals. A non-finite block gives NaN elements. `in` may be `out`. cols % 128
+ * == 0; in and out 8-byte aligned; rows_limit: NULL, or device memory, as in
+ * mok_quantize_params_t. */
+mokResult_t mok_mx_qdq_rows_launch(const void *in, void *out, int64_t rows, int64_t cols,
+                                   const int32_t *rows_limit, void *stream);
+
 /* Fills the whole quantized-weight buffer `out` (mok_qw_layout(d, EL) bytes, device memory) from
  * the bf16 weights `w` (device memory), byte for byte as mok_cpu_quantize_weights does on the
  * host; bytes between operands (alignment gaps) are not written. One launch on `stream`, on the

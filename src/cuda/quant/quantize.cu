@@ -243,6 +243,69 @@ static mokResult_t quant_rows_run(const mok_quantize_params_t *p, void *stream) 
   return MOK_SUCCESS;
 }
 
+// mok_mx_qdq_rows_launch: one warp per 128-element chunk of a row (four 1x32 blocks, lanes 8g ..
+// 8g + 7 holding block g, quant_warp_1x32), 4 elements per lane, chunks of the grid strided.
+typedef struct {
+  const uint2 *in;       // [rows, cols / 4] of 4 bf16
+  uint2 *out;
+  int64_t rows, chunks;  // chunks of 128 per row
+  const int32_t *limit;  // NULL, or the rows to convert (device memory)
+} quant_mx_qdq_t;
+
+__device__ __forceinline__ uint32_t quant_bf16x2_rn(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // hi: upper half
+  return r;
+}
+
+__global__ void __launch_bounds__(QROW_THREADS)
+    quant_mx_qdq_kernel(const __grid_constant__ quant_mx_qdq_t p) {
+  const int lane = (int)threadIdx.x % 32;
+  const int64_t rows = p.limit ? min(p.rows, (int64_t)max(*p.limit, 0)) : p.rows;
+  const int64_t units = rows * p.chunks, warps = (int64_t)gridDim.x * QROW_WARPS;
+  for (int64_t u = blockIdx.x * (int64_t)QROW_WARPS + threadIdx.x / 32; u < units; u += warps) {
+    const int64_t at = u * 32 + lane;  // rows are whole chunks: row-major order is chunk order
+    const uint2 raw = p.in[at];
+    const float v[4] = {quant_bf16_to_float((uint16_t)raw.x), quant_bf16_to_float((uint16_t)(raw.x >> 16)),
+                        quant_bf16_to_float((uint16_t)raw.y), quant_bf16_to_float((uint16_t)(raw.y >> 16))};
+    quant_block_t b;
+    const uint32_t q = quant_warp_1x32(v, MOK_QUANT_E8M0_SCALE, &b);
+    float d[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) d[i] = quant_e4m3_to_float((uint8_t)(q >> 8 * i)) * b.scale;
+    p.out[at] = make_uint2(quant_bf16x2_rn(d[0], d[1]), quant_bf16x2_rn(d[2], d[3]));
+  }
+}
+
+extern "C" mokResult_t mok_mx_qdq_rows_launch(const void *in, void *out, int64_t rows,
+                                              int64_t cols, const int32_t *rows_limit,
+                                              void *stream) {
+  const char *fn = "mok_mx_qdq_rows_launch";
+  if (!in || !out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: in or out is NULL", fn);
+  if (rows < 0 || cols < 0 || cols % 128 != 0 || rows * cols > ((int64_t)1 << 40))
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "%s: rows = %lld, cols = %lld: cols must be a multiple of 128", fn,
+                    (long long)rows, (long long)cols);
+  if ((uintptr_t)in % 8 != 0 || (uintptr_t)out % 8 != 0 || (uintptr_t)rows_limit % 4 != 0)
+    return mok_fail(NULL, MOK_ERROR_MISALIGNED, "%s: in, out 8-byte and rows_limit 4-byte aligned",
+                    fn);
+  if (rows == 0 || cols == 0) return MOK_SUCCESS;
+  quant_mx_qdq_t k;
+  k.in = (const uint2 *)in;
+  k.out = (uint2 *)out;
+  k.rows = rows;
+  k.chunks = cols / 128;
+  k.limit = rows_limit;
+  const int64_t units = rows * k.chunks, max_grid = 8192;
+  const int64_t ctas = (units + QROW_WARPS - 1) / QROW_WARPS;
+  quant_mx_qdq_kernel<<<(unsigned)(ctas < max_grid ? ctas : max_grid), QROW_THREADS, 0,
+                        (cudaStream_t)stream>>>(k);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return mok_fail(NULL, MOK_ERROR_CUDA, "%s: kernel launch: %s", fn, cudaGetErrorString(e));
+  return MOK_SUCCESS;
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Host side                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
@@ -434,7 +497,8 @@ extern "C" mokResult_t mok_quantize_weights_gpu(const mok_layer_desc_t *d, int64
 extern "C" mokResult_t mok_quant_preload(void) {
   cudaFuncAttributes a;
   if (cudaFuncGetAttributes(&a, quant_kernel) != cudaSuccess ||
-      cudaFuncGetAttributes(&a, quant_rows_kernel) != cudaSuccess) {
+      cudaFuncGetAttributes(&a, quant_rows_kernel) != cudaSuccess ||
+      cudaFuncGetAttributes(&a, quant_mx_qdq_kernel) != cudaSuccess) {
     cudaGetLastError();
     return MOK_ERROR_CUDA;
   }

@@ -219,17 +219,23 @@ __device__ __forceinline__ void tp_pass_tile(tp_ring_t *ring, uint64_t *full, ui
 // may overlap the tile's MMA (the fused kernel's deferred release of the previous tile); it must
 // not wait on anything another CTA or warpgroup has yet to do, and leaves the warps converged.
 // after_last: the same, once the last stage's wgmmas are issued (idle: after the last stage).
+// prep: called by every thread with the stage and its K block once the stage has landed, before
+// any wgmma reads it (the MXFP8-B GEMM converts its e4m3 B there: gemm/grouped_gemm_mx.cuh).
 struct tp_no_hook {
   __device__ __forceinline__ void operator()() const {}
 };
+struct tp_no_prep {
+  __device__ __forceinline__ void operator()(int, int) const {}
+};
 template <int BM, int STAGES, int C_BYTES, int B_NMAJOR, class Hook = tp_no_hook,
-          class HookLast = tp_no_hook>
+          class HookLast = tp_no_hook, class Prep = tp_no_prep>
 __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8_t *smem,
                                                           uint64_t *full, uint64_t *empty,
                                                           int k_blocks, int wg, bool idle,
                                                           float (&acc)[128],
                                                           Hook after_first = Hook(),
-                                                          HookLast after_last = HookLast()) {
+                                                          HookLast after_last = HookLast(),
+                                                          Prep prep = Prep()) {
   typedef tp_plan<BM, 256, STAGES, C_BYTES> P;
   const int lane = threadIdx.x & 31;
   if (idle) {
@@ -243,6 +249,7 @@ __device__ __forceinline__ void tp_consume_tile_bf16_n256(tp_ring_t *ring, uint8
   int prev_stage = -1;
   for (int kb = 0; kb < k_blocks; kb++) {
     ptx_mbar_wait(&full[ring->stage], ring->phase);
+    prep(ring->stage, kb);
     uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES + wg * 64 * MOK_TP_ROW_BYTES;
     uint8_t *b_tile = smem + ring->stage * P::STAGE_BYTES + P::A_BYTES;
     // Only the descriptors' low words (start address, and the leading byte offset of N-major B)
