@@ -413,7 +413,8 @@ MOK_TEST(gemm_fp8_block_two_segments_equal_one) {
 // and the output's rounding (bf16: 2^-8 |ref|). A wrong scale, chunk or swizzle gives errors of
 // the order of the terms. Rows outside every group stay untouched; 5 CTAs and one per SM give
 // the same bits. N = 384 makes each group's second column tile read the next group's B rows and
-// the last group's read past B (zero-filled, their scales not loaded).
+// the last group's read past B (zero-filled, their scales not loaded). Rows of subnormal e4m3
+// values and scales above 2^7 take the conversion's two rare paths (gemm/grouped_gemm_mx.cuh).
 static void check_mx(const problem_t &pr, int K2, mok_gg_epilogue_t epi) {
   const int G = pr.G, M = pr.M, N = pr.N, K = pr.K, KT = K + K2;
   std::vector<uint16_t> a((size_t)M * K), a2((size_t)M * (K2 ? K2 : 1));
@@ -423,8 +424,14 @@ static void check_mx(const problem_t &pr, int K2, mok_gg_epilogue_t epi) {
   fill_bf16(a2, 1.0f);
   for (auto &v : b) v = rnd_e4m3();
   for (auto &v : b2) v = rnd_e4m3();
-  for (auto &v : sb) v = (uint8_t)(118 + test_rng_u32(&g_rng) % 12);  // 2^-9 .. 2^2
+  // every 7th row of B only e4m3 subnormals (flushed ones would zero those columns, far outside
+  // the tolerance, which scales with the row's own terms), and
+  // scales 2^-9 .. 2^2, with 2^9 .. 2^10 (past bf16's 2^127 once times 2^120) in every 5th row
+  for (size_t r = 3; r < (size_t)G * N; r += 7)
+    for (int k = 0; k < K; k++) b[r * K + k] &= 0x87;
+  for (auto &v : sb) v = (uint8_t)(118 + test_rng_u32(&g_rng) % 12);
   for (auto &v : sb2) v = (uint8_t)(118 + test_rng_u32(&g_rng) % 12);
+  for (size_t r = 1; r < (size_t)G * N; r += 5) sb[r * (K / 32)] = (uint8_t)(136 + r % 2);
   std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
   const int f32 = epi == MOK_GG_EPI_STORE_F32;
   const size_t cbytes = (size_t)M * N * (f32 ? 4 : 2);

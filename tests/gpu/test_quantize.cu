@@ -559,6 +559,7 @@ MOK_TEST(quant_gpu_mx_qdq_matches_host) {
   MOK_EXPECT(mok_mx_qdq_rows_launch(d, d, 2, 96, NULL, NULL) == MOK_ERROR_INVALID_SHAPE);
   MOK_EXPECT(mok_mx_qdq_rows_launch(NULL, d, 2, 128, NULL, NULL) == MOK_ERROR_NULL_POINTER);
   MOK_EXPECT(mok_mx_qdq_rows_launch(d + 1, d, 2, 128, NULL, NULL) == MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_mx_qdq_rows_launch(d + 4, d, 2, 128, NULL, NULL) == MOK_ERROR_MISALIGNED);
   cudaFree(d);
 }
 

@@ -20,8 +20,10 @@
  * [128 cw, 128 cw + 128), 64 elements per thread: the 16-byte chunk c of rows r, r + 32, r + 64,
  * r + 96), storing the 128-byte swizzle that the wgmma descriptors read, then fence for the async
  * proxy and meet at a barrier of both warpgroups. The conversion of stage kb runs while the
- * wgmmas of stage kb - 1 are in flight. The epilogues store from registers (the staging area of
- * the bf16 kernel does not fit beside the slots).
+ * wgmmas of stage kb - 1 are in flight. bf16 outputs of whole row tiles go through 16 KB of
+ * staging per warpgroup and TMA bulk stores (a plain tile's 256 columns in two rounds; the bf16
+ * kernel's 64 KB do not fit beside the slots); SwiGLU with g and u outputs, fp32 outputs and
+ * partial row tiles store from registers.
  *
  * SwiGLU: B rows [0, 128) are gate rows of Wg, rows [128, 256) the same rows of Wu (b2, b2_e8m0).
  * A second reduction segment (k2 > 0): K blocks from k_split on come from A2 [M_total, K2] and
@@ -32,8 +34,14 @@
 
 #include <cuda_fp16.h>
 
-enum { GGX_STAGES = 3, GGX_SLOT_BYTES = GG_BN * 64 };  // e4m3 B [256 rows, 64 bytes]
-typedef tp_plan<GG_BM, GG_BN, GGX_STAGES, GGX_STAGES * GGX_SLOT_BYTES> ggx_plan;
+// The plan's C area: the e4m3 slots, then 16 KB of output staging per consumer warpgroup.
+enum {
+  GGX_STAGES = 3,
+  GGX_SLOT_BYTES = GG_BN * 64,  // e4m3 B [256 rows, 64 bytes]
+  GGX_SLOTS_BYTES = GGX_STAGES * GGX_SLOT_BYTES,
+  GGX_STAGING_BYTES = 16384     // [2 chunks][64 rows][128 B] bf16: 128 output columns
+};
+typedef tp_plan<GG_BM, GG_BN, GGX_STAGES, GGX_SLOTS_BYTES + 2 * GGX_STAGING_BYTES> ggx_plan;
 
 // The fp32 value of an E8M0 byte: 2^(b - 127) (b = 0: 2^-127, an fp32 subnormal), NaN for 0xFF.
 __device__ __forceinline__ float ggx_e8m0(uint32_t b) {
@@ -124,7 +132,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                  const __grid_constant__ CUtensorMap tm_b,   // B [G N, K] e4m3, box [128, 64 B]
                  const __grid_constant__ CUtensorMap tm_b2,  // up (SwiGLU) or B2 [G N, K2], or
                                                              // = tm_b
-                 const __grid_constant__ CUtensorMap tm_a2)  // A2 [M_total, K2], or = tm_a
+                 const __grid_constant__ CUtensorMap tm_a2,  // A2 [M_total, K2], or = tm_a
+                 const __grid_constant__ CUtensorMap tm_c)   // C [M_total, N] bf16, box [64, 64]
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   typedef ggx_plan P;
@@ -167,6 +176,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   } else {
     ptx_setmaxnreg_inc<GG_CONSUMER_REGS>();
     const int cw = wg - 1, lt = threadIdx.x & 127;
+    constexpr int STAGED = EPI != MOK_GG_EPI_STORE_F32;
+    uint8_t *stage_c = smem + P::C_OFFSET + GGX_SLOTS_BYTES + cw * GGX_STAGING_BYTES;
     float acc[128];
     const int4 *tags = gg_tags<P>(smem_raw, smem);
     while (gg_peek(&ring, full, tags, &tile)) {
@@ -175,10 +186,17 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       if (SWIGLU) w = epi_row_scales(p.row_scale, e);
       const ggx_prep prep = ggx_prep_make(p, SWIGLU, smem, tile.group, tile.n0, cw, lt);
       // never idle: the other warpgroup needs this one's half of every stage's conversion
-      tp_consume_tile_bf16_n256<GG_BM, GGX_STAGES, GGX_STAGES * GGX_SLOT_BYTES, 0, tp_no_hook,
-                                tp_no_hook, ggx_prep>(
+      tp_consume_tile_bf16_n256<GG_BM, GGX_STAGES, GGX_SLOTS_BYTES + 2 * GGX_STAGING_BYTES, 0,
+                                tp_no_hook, tp_no_hook, ggx_prep>(
           &ring, smem, full, empty, p.k_blocks, cw, false, acc, tp_no_hook(), tp_no_hook(), prep);
-      if (EPI == MOK_GG_EPI_STORE_BF16)
+      const int wg_row0 = tile.row0 + 64 * cw;
+      const bool staged = STAGED && wg_row0 + 64 <= tile.row_end &&
+                          (EPI != MOK_GG_EPI_SWIGLU || (!p.g_out && !p.u_out));
+      if (staged) {  // one buffer: each round waits until the copy engine has read the last
+        gg_store_staged<EPI, 0, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
+        if (EPI == MOK_GG_EPI_STORE_BF16)
+          gg_store_staged<EPI, 1, 0>(acc, stage_c, &tm_c, w, tile.n0, p.n, wg_row0, cw, lt);
+      } else if (EPI == MOK_GG_EPI_STORE_BF16)
         epi_store_bf16<128>(acc, (__nv_bfloat16 *)p.c, e);
       else if (EPI == MOK_GG_EPI_STORE_F32)
         epi_store_f32<128, false>(acc, (float *)p.c, e);
@@ -186,12 +204,13 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         epi_store_swiglu<128>(acc, (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.g_out,
                               (__nv_bfloat16 *)p.u_out, w, e);
     }
+    if (STAGED && lt == 0) ptx_bulk_wait_group_all();  // stores done before the CTA retires
   }
 #endif
 }
 
 typedef struct {
-  CUtensorMap a, b, b2, a2;
+  CUtensorMap a, b, b2, a2, c;
 } ggx_maps_t;
 
 template <int EPI>
@@ -199,8 +218,8 @@ static cudaError_t gg_launch_mx(const gg_kernel_params_t *kp, const ggx_maps_t *
                                 cudaStream_t stream) {
   const int bytes = ggx_plan::ALLOC_BYTES + ggx_plan::TAGS_BYTES;
   static_assert(ggx_plan::ALLOC_BYTES + ggx_plan::TAGS_BYTES <= 227 * 1024, "shared memory");
-  void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap) =
-      gg_mx_kernel<EPI>;
+  void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap,
+                 CUtensorMap) = gg_mx_kernel<EPI>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
@@ -210,7 +229,7 @@ static cudaError_t gg_launch_mx(const gg_kernel_params_t *kp, const ggx_maps_t *
   cfg.dynamicSmemBytes = bytes;
   cfg.stream = stream;
   cfg.gridDim = dim3(grid, 1, 1);
-  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->a2);
+  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->a2, m->c);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -235,7 +254,10 @@ static mokResult_t gg_run_mx(const mok_grouped_gemm_params_t *p, gg_kernel_param
   if (tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG_BM) ||
       ggx_encode_b(&m.b, p->b, rows_b, (uint64_t)p->k))
     return MOK_ERROR_CUDA;
-  m.a2 = m.a, m.b2 = m.b;  // unused unless SwiGLU or a second segment
+  m.a2 = m.a, m.b2 = m.b, m.c = m.a;  // unused unless SwiGLU, a second segment, bf16 output
+  if (p->epilogue != MOK_GG_EPI_STORE_F32 &&
+      tma_encode_bf16_sw128(&m.c, p->c, (uint64_t)p->m_total, (uint64_t)p->n, 64))
+    return MOK_ERROR_CUDA;
   if (swiglu && ggx_encode_b(&m.b2, p->b2, rows_b, (uint64_t)p->k)) return MOK_ERROR_CUDA;
   if (second &&
       (tma_encode_bf16_sw128(&m.a2, p->a2, (uint64_t)p->m_total, (uint64_t)p->k2, GG_BM) ||

@@ -60,7 +60,7 @@ mokResult_t mok_quantize_launch(const mok_quantize_params_t *p, void *stream);
  * exact (q has 4 significant bits) whenever q * 2^X is a bf16 normal, i.e. for every block whose
  * scale exponent X is at least -117 (amax above about 2^-109); below that the tiniest values
  * round to bf16 subnormals. A non-finite block gives NaN elements. `in` may be `out`. cols % 128
- * == 0; in and out 8-byte aligned; rows_limit: NULL, or device memory, as in
+ * == 0; in and out 16-byte aligned; rows_limit: NULL, or device memory, as in
  * mok_quantize_params_t. */
 mokResult_t mok_mx_qdq_rows_launch(const void *in, void *out, int64_t rows, int64_t cols,
                                    const int32_t *rows_limit, void *stream);
