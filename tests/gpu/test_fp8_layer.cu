@@ -90,6 +90,19 @@ static void expect_close(const char *what, const char *name, const std::vector<d
 /* Forward                                                                                         */
 /* ---------------------------------------------------------------------------------------------- */
 
+// y of one forward of p on a fresh GPU layer; 0 (with the failure recorded) if it did not run.
+static int fwd_y(const fwd_problem_t *p, std::vector<uint16_t> *y) {
+  test_gpu_layer_t g;
+  if (!fwd_gpu_open(&g, p)) return 0;
+  fwd_gpu_inputs(&g, p);
+  mokResult_t r = test_gpu_layer_forward(&g, p->T, NULL);
+  if (r == MOK_SUCCESS) r = mok_layer_check(g.l);
+  MOK_EXPECT_MSG(r == MOK_SUCCESS, "forward: %s", mok_last_error());
+  if (r == MOK_SUCCESS) *y = fwd_gpu_y(&g, p->T, p->H);
+  test_gpu_layer_close(&g);
+  return r == MOK_SUCCESS;
+}
+
 // A forward of shape (H, I, Is, K, T) with `route`: grid (element by element) or random
 // inputs in `scale` (relative L2), in precision `prec` (fp8-block or MXFP8).
 static void fwd_case(int grid, int64_t H, int64_t I, int64_t Is, int64_t K, int64_t T,
@@ -158,13 +171,7 @@ MOK_TEST(fp8_gpu_forward_differs_from_bf16_within_e4m3) {
   std::vector<uint16_t> y[2];
   for (int q = 0; q < 2; q++) {
     if (q) fp8_set(&p, MOK_FP8_SCALE_FP32);
-    test_gpu_layer_t g;
-    MOK_REQUIRE(fwd_gpu_open(&g, &p));
-    fwd_gpu_inputs(&g, &p);
-    MOK_REQUIRE_MSG(test_gpu_layer_forward(&g, p.T, NULL) == MOK_SUCCESS, "%s", mok_last_error());
-    MOK_REQUIRE_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
-    y[q] = fwd_gpu_y(&g, p.T, p.H);
-    test_gpu_layer_close(&g);
+    MOK_REQUIRE(fwd_y(&p, &y[q]));
   }
   const double rel = rel_l2(bf16_values(y[1].data(), y[1].size()), bf16_values(y[0].data(), y[0].size()));
   printf("    fp8-block against BF16: relative L2 difference of y %.4f\n", rel);
@@ -221,13 +228,7 @@ MOK_TEST(mx_gpu_forward_differs_from_bf16_and_repeats_bitwise) {
   for (int q = 0; q < 4; q++) {  // BF16, MXFP8 SAVE twice, MXFP8 RECOMPUTE
     if (q) p.prec = MOK_PRECISION_MXFP8;
     p.mode = q == 3 ? MOK_CONTEXT_RECOMPUTE : MOK_CONTEXT_SAVE;
-    test_gpu_layer_t g;
-    MOK_REQUIRE(fwd_gpu_open(&g, &p));
-    fwd_gpu_inputs(&g, &p);
-    MOK_REQUIRE_MSG(test_gpu_layer_forward(&g, p.T, NULL) == MOK_SUCCESS, "%s", mok_last_error());
-    MOK_REQUIRE_MSG(mok_layer_check(g.l) == MOK_SUCCESS, "%s", mok_last_error());
-    y[q] = fwd_gpu_y(&g, p.T, p.H);
-    test_gpu_layer_close(&g);
+    MOK_REQUIRE(fwd_y(&p, &y[q]));
   }
   const double rel = rel_l2(bf16_values(y[1].data(), y[1].size()), bf16_values(y[0].data(), y[0].size()));
   printf("    MXFP8 against BF16: relative L2 difference of y %.4f\n", rel);

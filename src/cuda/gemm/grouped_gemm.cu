@@ -273,6 +273,29 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 #endif
 }
 
+// The tensor maps of a bf16 or MXFP8-B kernel, and its launch (`bytes` of dynamic shared memory).
+typedef struct {
+  CUtensorMap a, b, b2, a2, c;
+} gg_maps_t;
+
+static cudaError_t gg_launch(void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap,
+                                            CUtensorMap, CUtensorMap, CUtensorMap),
+                             int bytes, const gg_kernel_params_t *kp, const gg_maps_t *m, int grid,
+                             cudaStream_t stream) {
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.blockDim = dim3(MOK_TP_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cfg.gridDim = dim3(grid, 1, 1);
+  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->a2, m->c);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
 #include "cuda/gemm/grouped_gemm_fp8.cuh"
 #include "cuda/gemm/grouped_gemm_mx.cuh"
 
@@ -353,29 +376,12 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   return MOK_SUCCESS;
 }
 
-typedef struct {
-  CUtensorMap a, b, b2, a2, c;
-} gg_maps_t;
-
 template <int EPI, int B_NMAJOR>
 static cudaError_t gg_launch_bf16(const gg_kernel_params_t *kp, const gg_maps_t *m, int grid,
                                   cudaStream_t stream) {
   typedef tp_plan<GG_BM, GG_BN, gg_cfg<EPI>::STAGES, gg_cfg<EPI>::C_BYTES> P;
-  const int bytes = P::ALLOC_BYTES + P::TAGS_BYTES;
-  void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap,
-                 CUtensorMap) = gg_bf16_kernel<EPI, B_NMAJOR>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg;
-  memset(&cfg, 0, sizeof(cfg));
-  cfg.blockDim = dim3(MOK_TP_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cfg.gridDim = dim3(grid, 1, 1);
-  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->a2, m->c);
-  if (err != cudaSuccess) return err;
-  return cudaGetLastError();
+  return gg_launch(gg_bf16_kernel<EPI, B_NMAJOR>, P::ALLOC_BYTES + P::TAGS_BYTES, kp, m, grid,
+                   stream);
 }
 
 extern "C" int mok_tile_group_m(int requested, int64_t b_bytes) {

@@ -209,29 +209,12 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 #endif
 }
 
-typedef struct {
-  CUtensorMap a, b, b2, a2, c;
-} ggx_maps_t;
-
 template <int EPI>
-static cudaError_t gg_launch_mx(const gg_kernel_params_t *kp, const ggx_maps_t *m, int grid,
+static cudaError_t gg_launch_mx(const gg_kernel_params_t *kp, const gg_maps_t *m, int grid,
                                 cudaStream_t stream) {
-  const int bytes = ggx_plan::ALLOC_BYTES + ggx_plan::TAGS_BYTES;
   static_assert(ggx_plan::ALLOC_BYTES + ggx_plan::TAGS_BYTES <= 227 * 1024, "shared memory");
-  void (*kernel)(gg_kernel_params_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap,
-                 CUtensorMap) = gg_mx_kernel<EPI>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg;
-  memset(&cfg, 0, sizeof(cfg));
-  cfg.blockDim = dim3(MOK_TP_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cfg.gridDim = dim3(grid, 1, 1);
-  err = cudaLaunchKernelEx(&cfg, kernel, *kp, m->a, m->b, m->b2, m->a2, m->c);
-  if (err != cudaSuccess) return err;
-  return cudaGetLastError();
+  return gg_launch(gg_mx_kernel<EPI>, ggx_plan::ALLOC_BYTES + ggx_plan::TAGS_BYTES, kp, m, grid,
+                   stream);
 }
 
 // e4m3 [rows, cols], box [128 rows, 64 bytes] without swizzle: the MXFP8 B stage halves.
@@ -250,7 +233,7 @@ static mokResult_t gg_run_mx(const mok_grouped_gemm_params_t *p, gg_kernel_param
   kp->b_rows = (int64_t)rows_b;
   kp->kq1 = (int)(p->k / 32);
   kp->kq2 = (int)(p->k2 / 32);
-  ggx_maps_t m;
+  gg_maps_t m;
   if (tma_encode_bf16_sw128(&m.a, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG_BM) ||
       ggx_encode_b(&m.b, p->b, rows_b, (uint64_t)p->k))
     return MOK_ERROR_CUDA;

@@ -165,6 +165,16 @@ typedef struct {
   mok_quant_scale_t kind;
 } quant_rows_t;
 
+// Eight bf16 (16 bytes, element i in bits 16 i of the vector) as fp32 values.
+__device__ __forceinline__ void quant_bf16x8_to_float(uint4 raw, float (&v)[8]) {
+  const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    v[2 * i] = quant_bf16_to_float((uint16_t)w4[i]);
+    v[2 * i + 1] = quant_bf16_to_float((uint16_t)(w4[i] >> 16));
+  }
+}
+
 __device__ __forceinline__ uint32_t quant_cvt_e4m3x2(float lo, float hi) {
   uint16_t r;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // hi: upper byte
@@ -182,15 +192,8 @@ __global__ void __launch_bounds__(QROW_THREADS)
     const int64_t c = 2 * pr + lane / 16;  // this half's block
     const bool live = c < p.kb;
     const int64_t at = row * p.kb * 16 + c * 16 + lane % 16;  // this lane's 8 elements
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-    if (live) raw = p.in[at];
-    const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
     float v[8];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      v[2 * i] = quant_bf16_to_float((uint16_t)w4[i]);
-      v[2 * i + 1] = quant_bf16_to_float((uint16_t)(w4[i] >> 16));
-    }
+    quant_bf16x8_to_float(live ? p.in[at] : make_uint4(0u, 0u, 0u, 0u), v);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 8; i++) m = max(m, quant_abs_bits(v[i]));
@@ -270,14 +273,8 @@ __global__ void __launch_bounds__(QROW_THREADS)
   for (int64_t u = blockIdx.x * (int64_t)QROW_WARPS + threadIdx.x / 32; u * 32 < vecs; u += warps) {
     const int64_t at = u * 32 + lane;
     const bool live = at < vecs;  // all 32 lanes shuffle; a dead lane's block is all dead
-    const uint4 raw = live ? p.in[at] : make_uint4(0u, 0u, 0u, 0u);
-    const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
     float v[8];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      v[2 * i] = quant_bf16_to_float((uint16_t)w4[i]);
-      v[2 * i + 1] = quant_bf16_to_float((uint16_t)(w4[i] >> 16));
-    }
+    quant_bf16x8_to_float(live ? p.in[at] : make_uint4(0u, 0u, 0u, 0u), v);
     uint8_t q[8];
     const quant_block_t b = quant_warp_blocks<8, 4>(v, MOK_QUANT_E8M0_SCALE, q);
     uint32_t o[4];
