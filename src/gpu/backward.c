@@ -53,7 +53,6 @@
 
 #include "cuda/backward/backward.h"
 #include "cuda/forward/forward.h"
-#include "cuda/quant/quant.h"
 
 /* T = 0: nothing was routed; overwritten weight gradients become zeros. */
 static mokResult_t bwd_zero_wgrads(mok_layer_t l, const mok_backward_args_t *g, void *stream) {
@@ -120,14 +119,6 @@ static mokResult_t fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, con
   return MOK_SUCCESS;
 }
 
-/* MXFP8: in = bf16 rows [rows, cols] (rows below *limit when limit is set) quantize-dequantized
- * into out (mok_mx_qdq_rows_launch). */
-static mokResult_t mx_qdq(mok_layer_t l, const void *in, void *out, int64_t rows, int64_t cols,
-                          const int32_t *limit, void *stream) {
-  const mokResult_t r = mok_mx_qdq_rows_launch(in, out, rows, cols, limit, stream);
-  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
-}
-
 /* MXFP8, RECOMPUTE mode: g, u (and gs, us) again, bit for bit the forward's: the same MXFP8 x
  * rows (quantize-dequantize is per row, so that of the gathered xg equals the gather of the
  * forward's xdq) into `xq` [R, H], and the forward's MXFP8-B SwiGLU GEMMs. */
@@ -136,7 +127,7 @@ static mokResult_t mx_recompute(mok_layer_t l, const mok_forward_args_t *a,
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
 #define WS(region) mok_gpu_ws(l, region)
-  mokResult_t r = mx_qdq(l, WS(MOK_WS_XG), xq, R, H, c->offsets + E, stream);
+  mokResult_t r = mok_gpu_mx_qdq(l, WS(MOK_WS_XG), xq, R, H, c->offsets + E, stream);
   if (r != MOK_SUCCESS) return r;
   mok_grouped_gemm_params_t gu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
   gu.a = xq;
@@ -147,7 +138,7 @@ static mokResult_t mx_recompute(mok_layer_t l, const mok_forward_args_t *a,
   if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "MXFP8 recompute gate/up", stream)) != MOK_SUCCESS)
     return r;
   if (Is > 0 && T > 0) {
-    if ((r = mx_qdq(l, a->x, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS) return r;
+    if ((r = mok_gpu_mx_qdq(l, a->x, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS) return r;
     mok_grouped_gemm_params_t sgu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
     sgu.a = WS(MOK_WS_XDQ);
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
@@ -167,8 +158,8 @@ static mokResult_t mx_dx_params(mok_layer_t l, const mok_forward_args_t *a, cons
                                 const void *du, int64_t rows, const int32_t *limit, int64_t n,
                                 void *q, void *q2, mok_qw_which_t gate_t,
                                 mok_grouped_gemm_params_t *p, void *stream) {
-  mokResult_t r = mx_qdq(l, dg, q, rows, n, limit, stream);
-  if (r == MOK_SUCCESS) r = mx_qdq(l, du, q2, rows, n, limit, stream);
+  mokResult_t r = mok_gpu_mx_qdq(l, dg, q, rows, n, limit, stream);
+  if (r == MOK_SUCCESS) r = mok_gpu_mx_qdq(l, du, q2, rows, n, limit, stream);
   if (r != MOK_SUCCESS) return r;
   mok_grouped_gemm_params_t f = mok_gg_mx_params(p->epilogue, p->num_groups, p->m_total, p->n, n);
   f.a = q, f.a2 = q2, f.k2 = n;
@@ -283,7 +274,8 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
   }
   if (mx) {
-    if ((r = mx_qdq(l, WS(MOK_WS_DYG), xq, R, H, c->offsets + E, stream)) != MOK_SUCCESS) return r;
+    if ((r = mok_gpu_mx_qdq(l, WS(MOK_WS_DYG), xq, R, H, c->offsets + E, stream)) != MOK_SUCCESS)
+      return r;
     dsp = mok_gg_mx_params(MOK_GG_EPI_STORE_F32, E, R, I, H);
     dsp.a = xq;
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WD_T, 0, &dsp);
@@ -329,7 +321,8 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
       ss.offsets = c->shared_offsets, ss.c = WS(MOK_WS_DSS);
     }
     if (mx) {
-      if ((r = mx_qdq(l, gr->dy, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS) return r;
+      if ((r = mok_gpu_mx_qdq(l, gr->dy, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS)
+        return r;
       ss = mok_gg_mx_params(MOK_GG_EPI_STORE_F32, 1, T, Is, H);
       ss.a = WS(MOK_WS_XDQ);
       mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD_T, 0, &ss); /* [Is, H] */

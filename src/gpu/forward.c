@@ -26,7 +26,6 @@
 
 #ifdef MOK_WITH_CUDA
 #include "cuda/forward/forward.h"
-#include "cuda/quant/quant.h"
 
 /* The layout kernel's parameters for one call (the chain's kernels take them too). */
 static mok_fwd_local_params_t gpu_local_params(mok_layer_t l, const mok_forward_args_t *a, void *y,
@@ -248,11 +247,7 @@ static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
   mok_fwd_local_params_t p = *pp;
   mokResult_t r;
 #define WS(region) mok_gpu_ws(l, region)
-#define QDQ(buf, rows, cols, limit)                                                          \
-  if ((r = mok_mx_qdq_rows_launch(buf, buf, rows, cols, limit, stream)) != MOK_SUCCESS)       \
-    return mok_gpu_launcher_failed(l, r);
-  if ((r = mok_mx_qdq_rows_launch(a->x, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS)
-    return mok_gpu_launcher_failed(l, r);
+  if ((r = mok_gpu_mx_qdq(l, a->x, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS) return r;
   p.x = WS(MOK_WS_XDQ);
   if ((r = mok_fwd_gather_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
@@ -265,7 +260,9 @@ static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
   gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
   if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "MXFP8 routed gate/up", stream)) != MOK_SUCCESS)
     return r;
-  QDQ(WS(MOK_WS_A), R, I, p.offsets + E);
+  if ((r = mok_gpu_mx_qdq(l, WS(MOK_WS_A), WS(MOK_WS_A), R, I, p.offsets + E, stream)) !=
+      MOK_SUCCESS)
+    return r;
   mok_grouped_gemm_params_t dn = mok_gg_mx_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
   dn.a = WS(MOK_WS_A);
   mok_gpu_qw_operand(l, &a->w, MOK_QW_WD, 0, &dn);
@@ -283,7 +280,8 @@ static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
     sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
     if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "MXFP8 shared gate/up", stream)) != MOK_SUCCESS)
       return r;
-    QDQ(WS(MOK_WS_AS), T, Is, NULL);
+    if ((r = mok_gpu_mx_qdq(l, WS(MOK_WS_AS), WS(MOK_WS_AS), T, Is, NULL, stream)) != MOK_SUCCESS)
+      return r;
     mok_grouped_gemm_params_t sdn = mok_gg_mx_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
     sdn.a = WS(MOK_WS_AS);
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD, 0, &sdn);
@@ -291,7 +289,6 @@ static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
     if ((r = mok_gpu_gemm(l, &sdn, "mok_forward", "MXFP8 shared down", stream)) != MOK_SUCCESS)
       return r;
   }
-#undef QDQ
 #undef WS
   r = mok_fwd_reduce_launch(&p, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);

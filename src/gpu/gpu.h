@@ -141,6 +141,11 @@ mokResult_t mok_gpu_begin_call(mok_layer_t l, const char *fn, mok_stream_t strea
 mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *fn,
                          const char *what, void *stream);
 
+/* MXFP8: bf16 rows [rows, cols] of in (those below *limit when limit is set) quantize-dequantized
+ * into out, which may be in (mok_mx_qdq_rows_launch); launch failures recorded on l. */
+mokResult_t mok_gpu_mx_qdq(mok_layer_t l, const void *in, void *out, int64_t rows, int64_t cols,
+                           const int32_t *limit, void *stream);
+
 /* fp8-block layers: `rows` bf16 rows of `cols` (in, device memory) quantized along the row in 1x128
  * blocks with the layer's scale rounding, exactly as mok_quantize_host does, into e4m3 q [rows,
  * cols] and K-block-major scales (row r, block b at scales[b * ld + r], ld >= rows); with `limit`

@@ -187,6 +187,13 @@ mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, cons
 }
 
 
+/* gpu.h */
+mokResult_t mok_gpu_mx_qdq(mok_layer_t l, const void *in, void *out, int64_t rows, int64_t cols,
+                           const int32_t *limit, void *stream) {
+  const mokResult_t r = mok_mx_qdq_rows_launch(in, out, rows, cols, limit, stream);
+  return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+}
+
 mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, int64_t cols,
                                   void *q, void *scales, int64_t ld, const int32_t *limit,
                                   void *stream) {
