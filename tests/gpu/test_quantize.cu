@@ -563,6 +563,84 @@ MOK_TEST(quant_gpu_mx_qdq_matches_host) {
   cudaFree(d);
 }
 
+// mok_mx_quantize_rows_launch (an expert-parallel MXFP8 layer's rows on the wire): the e4m3 bytes
+// of the host's 1x32 E8M0 quantization, bit for bit, its scales four to a word (word b of row r at
+// [b * ld + r], block 4b + j in byte j), the words past the rows untouched; the bf16 values, when
+// asked for, bit for bit those of mok_mx_qdq_rows_launch (NaN bits included: one device function).
+MOK_TEST(quant_gpu_mx_quantize_rows_matches_host) {
+  QT_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37, cols = 384, ld = 40, nw = cols / 128;
+  const size_t n = (size_t)(rows * cols);
+  int bad = 0;
+  for (int mode = 0; mode < 3; mode++)
+    for (int with_out = 0; with_out < 2; with_out++) {
+      std::vector<uint16_t> in(n), out(n), qdq(n);
+      std::vector<float> f(n);
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+          in[(size_t)(r * cols + c)] = qt_source_value(mode, r, c, (int)(r % 9) - 4);
+      for (size_t i = 0; i < n; i++) f[i] = bf2f(in[i]);
+      std::vector<uint8_t> want_q(n), sc(n / 32), q(n);
+      MOK_REQUIRE(mok_quantize_host(f.data(), rows, cols, 1, 32, MOK_QUANT_E8M0_SCALE,
+                                    want_q.data(), sc.data()) == MOK_SUCCESS);
+      std::vector<uint32_t> words((size_t)(nw * ld));
+      uint16_t *din = to_dev(in), *dout = NULL, *dqdq = NULL;
+      uint8_t *dq = NULL;
+      uint32_t *ds = NULL;
+      cudaMalloc(&dout, n * 2), cudaMalloc(&dqdq, n * 2), cudaMalloc(&dq, n);
+      cudaMalloc(&ds, words.size() * 4);
+      MOK_REQUIRE(din && dout && dqdq && dq && ds);
+      cudaMemset(ds, 0xA5, words.size() * 4);
+      cudaMemset(dout, 0xFF, n * 2);
+      MOK_REQUIRE(mok_mx_quantize_rows_launch(din, dq, ds, ld, with_out ? dout : NULL, rows, cols,
+                                              NULL) == MOK_SUCCESS);
+      MOK_REQUIRE(mok_mx_qdq_rows_launch(din, dqdq, rows, cols, NULL, NULL) == MOK_SUCCESS);
+      MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+      cudaMemcpy(q.data(), dq, n, cudaMemcpyDeviceToHost);
+      cudaMemcpy(words.data(), ds, words.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(out.data(), dout, n * 2, cudaMemcpyDeviceToHost);
+      cudaMemcpy(qdq.data(), dqdq, n * 2, cudaMemcpyDeviceToHost);
+      for (size_t i = 0; i < n; i++)
+        if (q[i] != want_q[i] && bad++ < 5)
+          mok_test_fail(__FILE__, __LINE__, "mode %d: q[%zu] = %02x, want %02x", mode, i, q[i],
+                        want_q[i]);
+      for (int64_t b = 0; b < nw; b++)
+        for (int64_t r = 0; r < ld; r++) {
+          uint32_t want = 0xA5A5A5A5u;
+          if (r < rows) {
+            want = 0;
+            for (int j = 0; j < 4; j++) want |= (uint32_t)sc[(size_t)(r * (cols / 32) + 4 * b + j)] << (8 * j);
+          }
+          if (words[(size_t)(b * ld + r)] != want && bad++ < 5)
+            mok_test_fail(__FILE__, __LINE__, "mode %d: word %lld of row %lld = %08x, want %08x",
+                          mode, (long long)b, (long long)r, words[(size_t)(b * ld + r)], want);
+        }
+      for (size_t i = 0; i < n; i++) {
+        const uint16_t want = with_out ? qdq[i] : (uint16_t)0xFFFF;  // untouched without out
+        if (out[i] != want && bad++ < 5)
+          mok_test_fail(__FILE__, __LINE__, "mode %d, out %d: element %zu = %04x, want %04x",
+                        mode, with_out, i, out[i], want);
+      }
+      cudaFree(din), cudaFree(dout), cudaFree(dqdq), cudaFree(dq), cudaFree(ds);
+    }
+  MOK_EXPECT_MSG(bad == 0, "%d values differ", bad);
+  // argument checks
+  uint8_t *d = NULL;
+  cudaMalloc(&d, 4096);
+  uint32_t *w = (uint32_t *)(d + 2048);
+  MOK_EXPECT(mok_mx_quantize_rows_launch(d, d + 1024, w, 1, NULL, 2, 128, NULL) ==
+             MOK_ERROR_INVALID_SHAPE);  // scales_ld below rows
+  MOK_EXPECT(mok_mx_quantize_rows_launch(d, d + 1024, w, 2, NULL, 2, 96, NULL) ==
+             MOK_ERROR_INVALID_SHAPE);
+  MOK_EXPECT(mok_mx_quantize_rows_launch(d, NULL, w, 2, NULL, 2, 128, NULL) ==
+             MOK_ERROR_NULL_POINTER);
+  MOK_EXPECT(mok_mx_quantize_rows_launch(d, d + 1025, w, 2, NULL, 2, 128, NULL) ==
+             MOK_ERROR_MISALIGNED);
+  MOK_EXPECT(mok_mx_quantize_rows_launch(d, d + 1024, (uint32_t *)(d + 2050), 2, NULL, 2, 128,
+                                         NULL) == MOK_ERROR_MISALIGNED);
+  cudaFree(d);
+}
+
 // Transposed scales (scales_ld > 0, the fp8 GEMM's K-block-major activation scales): the same
 // e4m3 values, and every scale where the row-major launch put it, transposed, with the padding
 // past the block rows untouched; 2 matrices, 1x128 and 1x32 blocks, ragged rows and columns.

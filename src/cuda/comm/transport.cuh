@@ -276,7 +276,7 @@ __device__ __forceinline__ void tp_put_row_map(const mok_tp_params_t &p, int d, 
 // persistent kernel) the GEMMs read them, and its block of recv_x stays unwritten. A warp per
 // token (whole rows: splitting rows into 2 KB items dealt to different warps was slower;
 // docs/performance.md, "Transport: push, pull and local rows").
-// FP8 (p.xq): a row is the token's H e4m3 bytes, then its H / 128 fp32 scales (a template
+// FP8 (p.xq): a row is the token's H e4m3 bytes, then its H / 128 scale words (a template
 // argument: a run-time choice made the transport kernel spill).
 template <bool FP8>
 __device__ __forceinline__ void tp_dispatch_rows(const mok_tp_params_t &p, uint64_t epoch) {
@@ -343,8 +343,10 @@ __device__ __forceinline__ void tp_dispatch_rows(const mok_tp_params_t &p, uint6
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
         const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
-        float *dst = (float *)(p.peer[d] + recv + (int64_t)pd * H * 2 + H);
-        for (int64_t b = lane; b < H / 128; b += 32) dst[b] = p.xq_s[b * p.xq_s_ld + t];
+        // copied as bits: MXFP8's words are four E8M0 bytes, not fp32 values
+        uint32_t *dst = (uint32_t *)(p.peer[d] + recv + (int64_t)pd * H * 2 + H);
+        const uint32_t *ws = (const uint32_t *)p.xq_s;
+        for (int64_t b = lane; b < H / 128; b += 32) dst[b] = ws[b * p.xq_s_ld + t];
       }
     }
   }

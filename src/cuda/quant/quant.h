@@ -65,6 +65,18 @@ mokResult_t mok_quantize_launch(const mok_quantize_params_t *p, void *stream);
 mokResult_t mok_mx_qdq_rows_launch(const void *in, void *out, int64_t rows, int64_t cols,
                                    const int32_t *rows_limit, void *stream);
 
+/* MXFP8 activations as an expert-parallel layer sends them (src/gpu/forward_ep.c): the rows of
+ * in [rows, cols] bf16 quantized exactly as mok_quantize_host quantizes them (1x32 blocks along
+ * cols, E8M0 scales) into q [rows, cols] e4m3 and their scales four to a 32-bit word: word b of
+ * row r, at scales[b * scales_ld + r] (scales_ld >= rows), holds the scales of blocks 4b .. 4b + 3
+ * of the row (elements 128 b .. 128 b + 127), block 4b + j in byte j. That is the shape of the
+ * fp8-block activation scales (one 4-byte word per 128 elements), so the transport carries both
+ * alike. out: NULL, or also the dequantized bf16 values, as mok_mx_qdq_rows_launch writes them.
+ * cols % 128 == 0; in and out 16-byte, q 8-byte, scales 4-byte aligned. */
+mokResult_t mok_mx_quantize_rows_launch(const void *in, uint8_t *q, uint32_t *scales,
+                                        int64_t scales_ld, void *out, int64_t rows, int64_t cols,
+                                        void *stream);
+
 /* Fills the whole quantized-weight buffer `out` (mok_qw_layout(d, EL) bytes, device memory) from
  * the bf16 weights `w` (device memory), byte for byte as mok_cpu_quantize_weights does on the
  * host; bytes between operands (alignment gaps) are not written. One launch on `stream`, on the

@@ -246,30 +246,28 @@ static mokResult_t quant_rows_run(const mok_quantize_params_t *p, void *stream) 
   return MOK_SUCCESS;
 }
 
-// mok_mx_qdq_rows_launch: the rows as one flat run of 1x32 blocks (cols % 32 == 0: no block
-// spans two rows), 8 elements (16 bytes) per lane, so a warp holds 8 blocks (lanes 4g .. 4g + 3:
-// block g) and each iteration moves 512 bytes per warp each way; warps strided over the run.
-// (With 8 bytes per lane and a warp per 128 elements it ran at about 40% of HBM's bandwidth.)
+// mok_mx_qdq_rows_launch and mok_mx_quantize_rows_launch: the rows as one flat run of 1x32 blocks
+// (cols % 128 == 0: no block spans two rows), 8 elements (16 bytes) per lane, so a warp holds 8
+// blocks (lanes 4g .. 4g + 3: block g), two 128-element groups of one row (lanes 0-15, 16-31), and
+// each iteration moves 512 bytes per warp each way; warps strided over the run. (With 8 bytes per
+// lane and a warp per 128 elements it ran at about 40% of HBM's bandwidth.)
 typedef struct {
   const uint4 *in;       // [n / 8] of 8 bf16
-  uint4 *out;
+  uint4 *out;            // NULL, or the dequantized bf16 values
+  uint2 *q;              // NULL, or the e4m3 values
+  uint32_t *s;           // with q: the E8M0 scales, four to a word (mok_mx_quantize_rows_launch)
+  int64_t s_ld;
   int64_t cols;          // elements per row
   int64_t rows;
   const int32_t *limit;  // NULL, or the rows to convert (device memory)
-} quant_mx_qdq_t;
-
-__device__ __forceinline__ uint32_t quant_bf16x2_rn(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // hi: upper half
-  return r;
-}
+} quant_mx_rows_t;
 
 __global__ void __launch_bounds__(QROW_THREADS)
-    quant_mx_qdq_kernel(const __grid_constant__ quant_mx_qdq_t p) {
+    quant_mx_rows_kernel(const __grid_constant__ quant_mx_rows_t p) {
   const int lane = (int)threadIdx.x % 32;
   const int64_t rows = p.limit ? min(p.rows, (int64_t)max(*p.limit, 0)) : p.rows;
-  const int64_t vecs = rows * p.cols / 8;  // a multiple of 4: whole blocks
-  const int64_t warps = (int64_t)gridDim.x * QROW_WARPS;
+  const int64_t vecs = rows * p.cols / 8;  // a multiple of 16: whole 128-element groups
+  const int64_t warps = (int64_t)gridDim.x * QROW_WARPS, groups = p.cols / 128;
   for (int64_t u = blockIdx.x * (int64_t)QROW_WARPS + threadIdx.x / 32; u * 32 < vecs; u += warps) {
     const int64_t at = u * 32 + lane;
     const bool live = at < vecs;  // all 32 lanes shuffle; a dead lane's block is all dead
@@ -277,42 +275,77 @@ __global__ void __launch_bounds__(QROW_THREADS)
     quant_bf16x8_to_float(live ? p.in[at] : make_uint4(0u, 0u, 0u, 0u), v);
     uint8_t q[8];
     const quant_block_t b = quant_warp_blocks<8, 4>(v, MOK_QUANT_E8M0_SCALE, q);
-    uint32_t o[4];
+    uint32_t w[2] = {0u, 0u};  // element i in byte i
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-      o[i] = quant_bf16x2_rn(quant_e4m3_to_float(q[2 * i]) * b.scale,
-                             quant_e4m3_to_float(q[2 * i + 1]) * b.scale);
-    if (live) p.out[at] = make_uint4(o[0], o[1], o[2], o[3]);
+    for (int i = 0; i < 8; i++) w[i / 4] |= (uint32_t)q[i] << (8 * (i % 4));
+    const uint2 packed = make_uint2(w[0], w[1]);
+    if (p.out && live) p.out[at] = quant_mx_dequant8(packed, b.scale);
+    if (p.q) {
+      // The word of this lane's 128-element group: byte j = block j of the group (lane 4j of it).
+      const int g0 = lane & 16;
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        word |= (uint32_t)__shfl_sync(0xFFFFFFFFu, (uint32_t)b.e8m0, g0 + 4 * j) << (8 * j);
+      if (live) {
+        p.q[at] = packed;
+        if ((lane & 15) == 0) {
+          const int64_t grp = at / 16, row = grp / groups;  // the run's 128-element group
+          p.s[(grp - row * groups) * p.s_ld + row] = word;
+        }
+      }
+    }
   }
+}
+
+static mokResult_t quant_mx_rows_run(const char *fn, const quant_mx_rows_t *k, const void *in,
+                                     const void *out, void *stream) {
+  const int64_t rows = k->rows, cols = k->cols;
+  if (!in) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: in is NULL", fn);
+  if (rows < 0 || cols < 0 || cols % 128 != 0 || rows * cols > ((int64_t)1 << 40))
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "%s: rows = %lld, cols = %lld: cols must be a multiple of 128", fn,
+                    (long long)rows, (long long)cols);
+  if ((uintptr_t)in % 16 != 0 || (uintptr_t)out % 16 != 0 || (uintptr_t)k->limit % 4 != 0 ||
+      (uintptr_t)k->q % 8 != 0 || (uintptr_t)k->s % 4 != 0)
+    return mok_fail(NULL, MOK_ERROR_MISALIGNED,
+                    "%s: in, out 16-byte, q 8-byte, scales and rows_limit 4-byte aligned", fn);
+  if (rows == 0 || cols == 0) return MOK_SUCCESS;
+  const int64_t units = (rows * cols / 8 + 31) / 32, max_grid = 8192;  // warps' iterations
+  const int64_t ctas = (units + QROW_WARPS - 1) / QROW_WARPS;
+  quant_mx_rows_kernel<<<(unsigned)(ctas < max_grid ? ctas : max_grid), QROW_THREADS, 0,
+                         (cudaStream_t)stream>>>(*k);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return mok_fail(NULL, MOK_ERROR_CUDA, "%s: kernel launch: %s", fn, cudaGetErrorString(e));
+  return MOK_SUCCESS;
 }
 
 extern "C" mokResult_t mok_mx_qdq_rows_launch(const void *in, void *out, int64_t rows,
                                               int64_t cols, const int32_t *rows_limit,
                                               void *stream) {
   const char *fn = "mok_mx_qdq_rows_launch";
-  if (!in || !out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: in or out is NULL", fn);
-  if (rows < 0 || cols < 0 || cols % 128 != 0 || rows * cols > ((int64_t)1 << 40))
-    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
-                    "%s: rows = %lld, cols = %lld: cols must be a multiple of 128", fn,
-                    (long long)rows, (long long)cols);
-  if ((uintptr_t)in % 16 != 0 || (uintptr_t)out % 16 != 0 || (uintptr_t)rows_limit % 4 != 0)
-    return mok_fail(NULL, MOK_ERROR_MISALIGNED,
-                    "%s: in, out 16-byte and rows_limit 4-byte aligned", fn);
-  if (rows == 0 || cols == 0) return MOK_SUCCESS;
-  quant_mx_qdq_t k;
-  k.in = (const uint4 *)in;
-  k.out = (uint4 *)out;
-  k.rows = rows;
-  k.cols = cols;
-  k.limit = rows_limit;
-  const int64_t units = (rows * cols / 8 + 31) / 32, max_grid = 8192;  // warps' iterations
-  const int64_t ctas = (units + QROW_WARPS - 1) / QROW_WARPS;
-  quant_mx_qdq_kernel<<<(unsigned)(ctas < max_grid ? ctas : max_grid), QROW_THREADS, 0,
-                        (cudaStream_t)stream>>>(k);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return mok_fail(NULL, MOK_ERROR_CUDA, "%s: kernel launch: %s", fn, cudaGetErrorString(e));
-  return MOK_SUCCESS;
+  if (!out) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: out is NULL", fn);
+  quant_mx_rows_t k;
+  memset(&k, 0, sizeof(k));
+  k.in = (const uint4 *)in, k.out = (uint4 *)out;
+  k.rows = rows, k.cols = cols, k.limit = rows_limit;
+  return quant_mx_rows_run(fn, &k, in, out, stream);
+}
+
+extern "C" mokResult_t mok_mx_quantize_rows_launch(const void *in, uint8_t *q, uint32_t *scales,
+                                                   int64_t scales_ld, void *out, int64_t rows,
+                                                   int64_t cols, void *stream) {
+  const char *fn = "mok_mx_quantize_rows_launch";
+  if (!q || !scales) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: q or scales is NULL", fn);
+  if (scales_ld < rows)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "%s: scales_ld = %lld below rows = %lld", fn,
+                    (long long)scales_ld, (long long)rows);
+  quant_mx_rows_t k;
+  memset(&k, 0, sizeof(k));
+  k.in = (const uint4 *)in, k.out = (uint4 *)out, k.q = (uint2 *)q, k.s = scales;
+  k.s_ld = scales_ld, k.rows = rows, k.cols = cols;
+  return quant_mx_rows_run(fn, &k, in, out, stream);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -507,7 +540,7 @@ extern "C" mokResult_t mok_quant_preload(void) {
   cudaFuncAttributes a;
   if (cudaFuncGetAttributes(&a, quant_kernel) != cudaSuccess ||
       cudaFuncGetAttributes(&a, quant_rows_kernel) != cudaSuccess ||
-      cudaFuncGetAttributes(&a, quant_mx_qdq_kernel) != cudaSuccess) {
+      cudaFuncGetAttributes(&a, quant_mx_rows_kernel) != cudaSuccess) {
     cudaGetLastError();
     return MOK_ERROR_CUDA;
   }

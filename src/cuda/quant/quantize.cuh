@@ -5,6 +5,7 @@
  *   quant_e4m3_from_float / _to_float   one element (RNE, saturating to +-448, NaN -> 0x7F)
  *   quant_block_make                    a block's scale from its amax (FP32, POW2, E8M0 kinds)
  *   quant_block_value                   q = e4m3(v / s), 0x7F for a non-finite block
+ *   quant_e8m0_scale, quant_mx_dequant8 MXFP8 values back to bf16 (q * 2^X)
  *   quant_warp_1x128, quant_warp_1x32   activation blocks held in registers, one warp
  *   quant_cta_tile128                   a 128x128 tile in shared memory, one CTA of 256 threads:
  *                                       one 128x128 weight block, or any power-of-two block
@@ -173,6 +174,34 @@ __device__ __forceinline__ quant_block_t quant_block_make(uint32_t amax_bits,
 __device__ __forceinline__ uint8_t quant_block_value(const quant_block_t &b, float v) {
   if (b.nan) return QUANT_E4M3_NAN;
   return quant_e4m3_from_float(b.pow2 ? quant_mul_rn(v, b.inv) : quant_div_rn(v, b.scale));
+}
+
+// An E8M0 byte's scale: 2^(e - 127), or NaN (the host's bits) for 0xFF: quant_block_make's
+// scale of the block whose e8m0 is e.
+__device__ __forceinline__ float quant_e8m0_scale(uint32_t e) {
+  return e == QUANT_E8M0_NAN ? __uint_as_float(QUANT_F32_NAN_BITS) : quant_pow2((int)e - 127);
+}
+
+// Two fp32 values rounded to bf16, to nearest even, lo in the low half (subnormals kept).
+__device__ __forceinline__ uint32_t quant_bf16x2_rn(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // hi: upper half
+  return r;
+}
+
+// MXFP8 dequantized to bf16: eight e4m3 values of one block (element i in byte i of q) times the
+// block's scale, bf16(q * 2^X) (mok_mx_qdq_rows_launch's values; exact unless the product is
+// below bf16's normal range). Element i lands in bits 16 i of the result.
+__device__ __forceinline__ uint4 quant_mx_dequant8(uint2 q, float scale) {
+  const uint32_t w[2] = {q.x, q.y};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const uint32_t v = w[i / 2] >> (16 * (i % 2));
+    o[i] = quant_bf16x2_rn(quant_e4m3_to_float((uint8_t)v) * scale,
+                           quant_e4m3_to_float((uint8_t)(v >> 8)) * scale);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
