@@ -9,9 +9,8 @@ Two levels:
   to cast (integer ids to int32, router weights to fp32, parameters to bf16) and documents it.
 
 Devices: "cpu" runs the plain-C reference backend; "cuda:N" (or "cuda", the current device
-torch.cuda.current_device()) the GPU backend, which runs forward and backward of BF16 and
-fp8-block layers at every W and of MXFP8 layers at W = 1 (with W > 1 an MXFP8 layer reports
-NOT_IMPLEMENTED). A CPU layer takes host memory
+torch.cuda.current_device()) the GPU backend, which runs forward and backward of BF16,
+fp8-block and MXFP8 layers at every W. A CPU layer takes host memory
 (numpy arrays, torch CPU tensors), a GPU layer torch tensors on its device.
 
 Expert parallelism: mok.Comm (python/mok/comm.py) is a communicator of W ranks (Comm.local,

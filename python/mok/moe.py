@@ -284,8 +284,7 @@ class MoE(torch.nn.Module):
     backward then goes through the op mok::backward_main_grad, which mutates the buffers. Eager
     only: under torch.compile that backward raises MokError (the buffers are not graph inputs).
     precision "fp8-block" quantizes the weights at every forward (fp8_scale "fp32": amax / 448, or
-    "pow2": powers of two) and runs the fp8 layer; "mxfp8" likewise (1x32 E8M0 blocks) on the CPU
-    and, with W = 1, on the GPU.
+    "pow2": powers of two) and runs the fp8 layer; "mxfp8" likewise (1x32 E8M0 blocks).
     Initialization: the parameters are drawn as a W = 1 module draws them (the full [E, ...]
     tensors, in the same order, from torch's default generator) and each rank keeps its slice,
     so rank r's experts are experts [r EL, (r + 1) EL) of the W = 1 module made after the same

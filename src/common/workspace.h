@@ -53,7 +53,10 @@
  *   asq_s
  * MXFP8 layers only (empty otherwise): bf16 activations quantize-dequantized (1x32 E8M0 blocks,
  * mok_mx_qdq_rows_launch), which the MXFP8-B GEMMs read as A (the routed rows: xg and a, in place):
- *   xdq            [T_max, H] bf16     forward: x (the shared expert's A, gathered into xg)
+ *   xdq            [T_max, H] bf16     forward: x (the shared expert's A; at W = 1 gathered into
+ *                                      xg)
+ *   xqt, xqt_s     [T_max, H] e4m3,    W > 1 only: x's MXFP8 rows as the dispatch sends them (the
+ *                  [H / 128, ld] words  scales four E8M0 bytes to a word: mok_mx_quantize_rows_launch)
  *
  * Context (the caller's, mok_context_size bytes; written by forward, read by backward):
  *   header         mok_ctx_header_t    magic (0 when the call's routing was invalid), layer id, T,
@@ -144,6 +147,8 @@ typedef struct {
   int64_t wgrad_stage; /* fp32 elements of the wgrad32 region (0: bf16 gradients not accumulated) */
   int fp8;      /* precision == MOK_PRECISION_FP8_BLOCK: the e4m3 operand regions */
   int mx;       /* precision == MOK_PRECISION_MXFP8: the dequantized activation regions */
+  int mx_wire;  /* MXFP8 with W > 1 (set by the GPU layer; mok_ws_dims leaves 0): xqt and xqt_s
+                   hold the e4m3 rows and E8M0 words the dispatch sends */
 } mok_ws_dims_t;
 
 typedef struct {
@@ -264,8 +269,9 @@ MOK_WS_FN void mok_ws_layout(const mok_ws_dims_t *d, mok_ws_layout_t *l) {
   l->ws[MOK_WS_US] = off, off = mok_ws_align(off + rec * T * Is * 2);
   l->ws[MOK_WS_WGRAD32] = off, off = mok_ws_align(off + (size_t)d->wgrad_stage * 4);
   const size_t q = d->fp8 ? 1 : 0, T4 = (size_t)mok_ws_ld4(d->T_max), R4 = (size_t)mok_ws_ld4(d->R);
-  l->ws[MOK_WS_XQT] = off, off = mok_ws_align(off + q * T * H);
-  l->ws[MOK_WS_XQT_S] = off, off = mok_ws_align(off + q * (H / 128) * T4 * 4);
+  const size_t qt = d->fp8 || d->mx_wire ? 1 : 0;
+  l->ws[MOK_WS_XQT] = off, off = mok_ws_align(off + qt * T * H);
+  l->ws[MOK_WS_XQT_S] = off, off = mok_ws_align(off + qt * (H / 128) * T4 * 4);
   l->ws[MOK_WS_XQ] = off, off = mok_ws_align(off + q * R * H);
   l->ws[MOK_WS_XQ_S] = off, off = mok_ws_align(off + q * (H / 128) * R4 * 4);
   l->ws[MOK_WS_AQ] = off, off = mok_ws_align(off + q * R * I);
@@ -310,6 +316,7 @@ MOK_WS_FN mok_ws_dims_t mok_ws_dims(const mok_layer_desc_t *desc, int64_t EL, in
                       : 0;
   d.fp8 = desc->precision == MOK_PRECISION_FP8_BLOCK;
   d.mx = desc->precision == MOK_PRECISION_MXFP8;
+  d.mx_wire = 0;
   return d;
 }
 

@@ -233,49 +233,42 @@ static mokResult_t gpu_forward_fp8(mok_layer_t l, const mok_forward_args_t *a,
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }
 
-/* MXFP8 (W = 1): the bf16 chain on MXFP8 values. x is quantize-dequantized once per token (xdq,
- * the shared expert's A) and gathered; a and as likewise, in place, after their SwiGLU GEMMs;
- * every GEMM reads its weights as e4m3 with E8M0 scales (MOK_GG_MXFP8_B, dequantized to bf16 in
- * shared memory). The activations' values are those of the reference's quantization points
- * (src/cpu/ref.h) exactly (mok_mx_qdq_rows_launch says when bf16 rounds the tiniest). */
-static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
-                                  const mok_fwd_local_params_t *pp, char *ctx, void *stream) {
+/* MXFP8: the experts' GEMMs (gpu.h), the bf16 chain's on MXFP8 values: a and as quantize-
+ * dequantized in place after their SwiGLU GEMMs; every GEMM reads its weights as e4m3 with E8M0
+ * scales (MOK_GG_MXFP8_B, dequantized to bf16 in shared memory). */
+mokResult_t mok_gpu_forward_mx_experts(mok_layer_t l, const mok_forward_args_t *a,
+                                       const mok_fp8_rows_t *c, char *ctx, void *stream) {
   const mok_ws_layout_t *lay = &l->gpu->lay;
   const int64_t T = a->num_tokens, H = l->d.hidden, I = l->d.intermediate,
                 Is = l->d.shared_intermediate, E = l->EL, R = l->capacity_rows;
   const int save = l->d.context_mode == MOK_CONTEXT_SAVE;
-  mok_fwd_local_params_t p = *pp;
   mokResult_t r;
 #define WS(region) mok_gpu_ws(l, region)
-  if ((r = mok_gpu_mx_qdq(l, a->x, WS(MOK_WS_XDQ), T, H, NULL, stream)) != MOK_SUCCESS) return r;
-  p.x = WS(MOK_WS_XDQ);
-  if ((r = mok_fwd_gather_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-
   mok_grouped_gemm_params_t gu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, E, R, I, H);
-  gu.a = p.xg;
+  gu.a = WS(MOK_WS_XG);
   mok_gpu_qw_operand(l, &a->w, MOK_QW_WG, 0, &gu);
   mok_gpu_qw_operand(l, &a->w, MOK_QW_WU, 1, &gu);
-  gu.offsets = p.offsets, gu.row_scale = p.row_w, gu.c = WS(MOK_WS_A);
+  gu.offsets = c->offsets, gu.row_scale = c->row_w, gu.c = WS(MOK_WS_A);
   gu.g_out = save ? ctx + lay->ctx[MOK_CTX_G] : NULL;
   gu.u_out = save ? ctx + lay->ctx[MOK_CTX_U] : NULL;
   if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "MXFP8 routed gate/up", stream)) != MOK_SUCCESS)
     return r;
-  if ((r = mok_gpu_mx_qdq(l, WS(MOK_WS_A), WS(MOK_WS_A), R, I, p.offsets + E, stream)) !=
+  if ((r = mok_gpu_mx_qdq(l, WS(MOK_WS_A), WS(MOK_WS_A), R, I, c->offsets + E, stream)) !=
       MOK_SUCCESS)
     return r;
   mok_grouped_gemm_params_t dn = mok_gg_mx_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
   dn.a = WS(MOK_WS_A);
   mok_gpu_qw_operand(l, &a->w, MOK_QW_WD, 0, &dn);
-  dn.offsets = p.offsets, dn.c = (void *)p.yk; /* over xg, which gate/up has read */
+  dn.offsets = c->offsets, dn.c = c->yk; /* at W = 1 over xg, which gate/up has read */
   if ((r = mok_gpu_gemm(l, &dn, "mok_forward", "MXFP8 routed down", stream)) != MOK_SUCCESS)
     return r;
 
-  if (Is > 0) {
+  if (Is > 0 && T > 0) {
     mok_grouped_gemm_params_t sgu = mok_gg_mx_params(MOK_GG_EPI_SWIGLU, 1, T, Is, H);
     sgu.a = WS(MOK_WS_XDQ);
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WSG, 0, &sgu);
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WSU, 1, &sgu);
-    sgu.offsets = p.shared_offsets, sgu.c = WS(MOK_WS_AS);
+    sgu.offsets = c->shared_offsets, sgu.c = WS(MOK_WS_AS);
     sgu.g_out = save ? ctx + lay->ctx[MOK_CTX_GS] : NULL;
     sgu.u_out = save ? ctx + lay->ctx[MOK_CTX_US] : NULL;
     if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "MXFP8 shared gate/up", stream)) != MOK_SUCCESS)
@@ -285,11 +278,28 @@ static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
     mok_grouped_gemm_params_t sdn = mok_gg_mx_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
     sdn.a = WS(MOK_WS_AS);
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WSD, 0, &sdn);
-    sdn.offsets = p.shared_offsets, sdn.c = (void *)p.ys;
+    sdn.offsets = c->shared_offsets, sdn.c = WS(MOK_WS_YS);
     if ((r = mok_gpu_gemm(l, &sdn, "mok_forward", "MXFP8 shared down", stream)) != MOK_SUCCESS)
       return r;
   }
 #undef WS
+  return MOK_SUCCESS;
+}
+
+/* MXFP8 (W = 1): x quantize-dequantized once per token (xdq, the shared expert's A) and
+ * gathered into xg, the experts' GEMMs, the BF16 reduce. The activations' values are those of
+ * the reference's quantization points (src/cpu/ref.h) exactly (mok_mx_qdq_rows_launch says when
+ * bf16 rounds the tiniest). */
+static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
+                                  const mok_fwd_local_params_t *pp, char *ctx, void *stream) {
+  void *xdq = mok_gpu_ws(l, MOK_WS_XDQ);
+  mokResult_t r = mok_gpu_mx_qdq(l, a->x, xdq, a->num_tokens, l->d.hidden, NULL, stream);
+  if (r != MOK_SUCCESS) return r;
+  mok_fwd_local_params_t p = *pp;
+  p.x = xdq;
+  if ((r = mok_fwd_gather_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
+  const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, p.row_w, (void *)p.yk};
+  if ((r = mok_gpu_forward_mx_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   r = mok_fwd_reduce_launch(&p, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }

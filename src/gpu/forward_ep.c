@@ -20,7 +20,10 @@
  *              expert on this rank's tokens -> ys); fp8-block: x quantized once per token
  *              before the dispatch, which sends each token's e4m3 row and scales; the fp8
  *              gather copies them into expert order, then the W = 1 fp8 GEMMs
- *              (mok_gpu_forward_fp8_experts)
+ *              (mok_gpu_forward_fp8_experts); MXFP8 likewise: x quantized once per token
+ *              (e4m3 rows and four E8M0 scales to a word, the bytes of fp8-block's rows), the
+ *              MXFP8 gather dequantizing them into bf16 xg, then the W = 1 MXFP8 GEMMs
+ *              (mok_gpu_forward_mx_experts)
  *   combine    a signal to every rank that this rank's yk (in its window) is complete, then
  *              the wait for every expert rank's
  *   reduce     y = bf16(ys + Σ_k yk) in slot order, each slot's row read where its expert rank
@@ -40,6 +43,8 @@
 
 #ifdef MOK_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda/quant/quant.h"
 
 /* Whether the fused forward runs the dispatch itself (forward/fused_ep.cuh). Its tiles then wait
  * for other ranks' kernels, so every rank's kernel must be resident at once: always so for ranks
@@ -139,6 +144,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
     return mok_gpu_launcher_failed(l, r);
   EP_FILL(p);
   const int fp8 = l->d.precision == MOK_PRECISION_FP8_BLOCK;
+  const int mx = l->d.precision == MOK_PRECISION_MXFP8;
   const int fused = l->d.precision == MOK_PRECISION_BF16 &&
                     l->tuning.forward_path != MOK_FORWARD_CHAIN;
   const int in_kernel = fused && ep_dispatch_in_kernel(l);
@@ -152,12 +158,25 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
       return r;
     p.xq = mok_gpu_ws(l, MOK_WS_XQT);
     p.xq_s = (const float *)mok_gpu_ws(l, MOK_WS_XQT_S), p.xq_s_ld = T4;
+  } else if (mx) {
+    /* MXFP8 rows on the wire: x quantized once per token into e4m3 rows and E8M0 words, which
+     * the dispatch sends as it sends fp8-block rows; with a shared expert also their bf16
+     * values into xdq, its A */
+    if (T > 0 && (r = mok_mx_quantize_rows_launch(
+                      a->x, (uint8_t *)mok_gpu_ws(l, MOK_WS_XQT),
+                      (uint32_t *)mok_gpu_ws(l, MOK_WS_XQT_S), T4,
+                      Is > 0 ? mok_gpu_ws(l, MOK_WS_XDQ) : NULL, T, H, stream)) != MOK_SUCCESS)
+      return mok_gpu_launcher_failed(l, r);
+    p.xq = mok_gpu_ws(l, MOK_WS_XQT);
+    p.xq_s = (const float *)mok_gpu_ws(l, MOK_WS_XQT_S), p.xq_s_ld = T4;
   }
   if (!in_kernel && (r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");
   if (fp8) /* the e4m3 rows of this rank's experts and their scales, from recv_x or xqt */
     r = mok_ep_gather_fp8_launch(&p, mok_gpu_ws(l, MOK_WS_XQ), (float *)mok_gpu_ws(l, MOK_WS_XQ_S),
                                  R4, stream);
+  else if (mx) /* their MXFP8 values in bf16, xg */
+    r = mok_ep_gather_mx_launch(&p, stream);
   else if (!fused)
     r = mok_ep_gather_launch(&p, stream);
   if (r != MOK_SUCCESS)
@@ -168,9 +187,11 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   const float *row_w = (const float *)((const char *)p.peer[p.rank] + p.win.row_w);
   if (fused) {
     if ((r = ep_forward_fused(l, a, &p, in_kernel, ctx, stream)) != MOK_SUCCESS) return r;
-  } else if (fp8) {
+  } else if (fp8 || mx) {
     const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w, (void *)p.yk};
-    if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
+    if ((r = fp8 ? mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)
+                 : mok_gpu_forward_mx_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS)
+      return r;
   } else {
     mok_grouped_gemm_params_t gu =
         mok_gg_bf16_params(MOK_GG_EPI_SWIGLU, MOK_GG_B_KMAJOR, EL, R, I, H);

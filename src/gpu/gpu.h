@@ -61,6 +61,11 @@ typedef struct {
 } mok_fp8_rows_t;
 mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t *a,
                                         const mok_fp8_rows_t *c, char *ctx, void *stream);
+/* MXFP8: the experts' GEMMs of a forward (src/gpu/forward.c), W = 1 or one rank of an
+ * expert-parallel layer, once the workspace's xg holds the routed rows' MXFP8 values in bf16 and
+ * xdq the call's tokens' (the shared expert's A); the same outputs as above. */
+mokResult_t mok_gpu_forward_mx_experts(mok_layer_t l, const mok_forward_args_t *a,
+                                       const mok_fp8_rows_t *c, char *ctx, void *stream);
 /* fp8-block: the fp8 SwiGLU gate/up GEMM of the routed experts (shared = 0: EL groups over the
  * workspace's xq rows, router weights row_w) or of the shared expert (1 group over the T rows of
  * xqt), writing c (a or as) and, when not NULL, g_out and u_out; the forward's and RECOMPUTE's. */

@@ -1,10 +1,8 @@
 /*
  * gpu/layer.c: a GPU layer's lifetime (its workspace, src/common/workspace.h, and with W > 1 its
  * transport), its sizes, the start of every call on it, and the asynchronous errors its kernels
- * report through the workspace's error word and the transport's (mok_layer_check). BF16 layers
- * and fp8-block layers run on the GPU; MXFP8 layers run their forward at W = 1 (their backward
- * reports MOK_ERROR_NOT_IMPLEMENTED: src/gpu/backward.c), and with W > 1 allocate nothing and
- * report MOK_ERROR_NOT_IMPLEMENTED from their calls.
+ * report through the workspace's error word and the transport's (mok_layer_check). Layers of
+ * every precision (BF16, fp8-block, MXFP8) run on the GPU at every W.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,11 +18,6 @@
 #endif
 
 #ifdef MOK_WITH_CUDA
-
-static int gpu_runs(mok_layer_t l) {
-  return l->d.precision == MOK_PRECISION_BF16 || l->d.precision == MOK_PRECISION_FP8_BLOCK ||
-         l->comm->nranks == 1;
-}
 
 mokResult_t mok_gpu_cuda_fail(mok_layer_t l, const char *call, cudaError_t e) {
   cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
@@ -45,7 +38,11 @@ mokResult_t mok_gpu_enter(mok_layer_t l, int *prev) {
   return e == cudaSuccess ? MOK_SUCCESS : mok_gpu_cuda_fail(l, "cudaSetDevice", e);
 }
 
-static mok_ws_dims_t gpu_dims(mok_layer_t l) { return mok_ws_dims(&l->d, l->EL, l->capacity_rows); }
+static mok_ws_dims_t gpu_dims(mok_layer_t l) {
+  mok_ws_dims_t d = mok_ws_dims(&l->d, l->EL, l->capacity_rows);
+  d.mx_wire = d.mx && l->comm->nranks > 1;
+  return d;
+}
 
 mokResult_t mok_gpu_layer_create(mok_layer_t l) {
   struct mok_gpu_layer *g = calloc(1, sizeof(*g));
@@ -53,7 +50,6 @@ mokResult_t mok_gpu_layer_create(mok_layer_t l) {
   const mok_ws_dims_t dims = gpu_dims(l);
   mok_ws_layout(&dims, &g->lay);
   l->gpu = g;
-  if (!gpu_runs(l)) return MOK_SUCCESS; /* forward reports NOT_IMPLEMENTED; nothing to hold */
   /* The kernels' shape rules (src/common/shape.h), for T_max tokens and the layer's capacity. */
   const mok_shape_t shape = {l->d.max_tokens, l->d.hidden, l->d.intermediate,
                              l->d.shared_intermediate, l->EL, l->d.top_k, l->capacity_rows};
@@ -154,26 +150,16 @@ size_t mok_gpu_context_bytes(mok_layer_t l) {
 
 /* ---- the start of a call ---------------------------------------------------------------------- */
 
-static mokResult_t gpu_check_supported(mok_layer_t l, const char *fn) {
-  if (!gpu_runs(l))
-    return mok_fail(l, MOK_ERROR_NOT_IMPLEMENTED,
-                    "%s on GPU %d: MXFP8 layers with expert parallelism (W = %d) are not "
-                    "implemented on the GPU yet (W = 1 forward is; BF16 and fp8-block run at "
-                    "every W); use one of those, or MOK_DEVICE_CPU for the reference",
-                    fn, l->comm->device, l->comm->nranks);
+mokResult_t mok_gpu_begin_call(mok_layer_t l, const char *fn, mok_stream_t stream, int *prev) {
   if (!l->gpu || !l->gpu->ws)
     return mok_fail(l, MOK_ERROR_INTERNAL, "%s: GPU layer without a workspace", fn);
-  return MOK_SUCCESS;
-}
-
-mokResult_t mok_gpu_begin_call(mok_layer_t l, const char *fn, mok_stream_t stream, int *prev) {
-  mokResult_t r = gpu_check_supported(l, fn);
+  const mokResult_t r = mok_gpu_enter(l, prev);
   if (r != MOK_SUCCESS) return r;
-  if ((r = mok_gpu_enter(l, prev)) != MOK_SUCCESS) return r;
   l->gpu->last_stream = stream;
   l->gpu->ran = 1;
   return MOK_SUCCESS;
 }
+
 mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, const char *fn,
                          const char *what, void *stream) {
   mok_grouped_gemm_params_t q = *p;

@@ -778,6 +778,36 @@ MOK_TEST(ep_fp8_block_equals_one_rank) {
   ep_bwd_case(&p, 2, two, "fp8-block W = 2, no shared expert, a hot expert, 30% empty slots");
 }
 
+// MXFP8 layers with W = 2 and 4 ranks: y, dx, dtopk_w and the routed weight gradients bitwise
+// the W = 1 MXFP8 layer's. Each token's x crosses as e4m3 bytes and E8M0 scales, dequantized on
+// the expert rank by the same device function that gives the W = 1 layer's values; the backward
+// sends bf16 x and dy (its weight gradients read the unquantized rows) and quantizes per row.
+MOK_TEST(ep_mxfp8_equals_one_rank) {
+  NEED_GPU();
+  fwd_problem_t f;
+  ep_problem(&f, 128, 300, test_route_uniform(0.1));
+  f.prec = MOK_PRECISION_MXFP8;
+  const int64_t two[2] = {211, 89}, zero[2] = {0, 300}, four[4] = {100, 0, 141, 59};
+  ep_case(&f, 2, two, "MXFP8 W = 2, 211 + 89 tokens");
+  ep_case(&f, 2, zero, "MXFP8 W = 2, rank 0 without tokens");
+  ep_case(&f, 4, four, "MXFP8 W = 4, 100 + 0 + 141 + 59 tokens");
+  ep_problem(&f, 0, 300, test_route_uniform(0.3));
+  f.prec = MOK_PRECISION_MXFP8;
+  ep_case(&f, 2, two, "MXFP8 W = 2, no shared expert, 30% empty slots");
+  bwd_problem_t p;
+  ep_bwd_problem(&p, 128, 300, test_route_uniform(0.1));
+  p.f.prec = MOK_PRECISION_MXFP8;
+  ep_bwd_case(&p, 2, two, "MXFP8 W = 2, 211 + 89 tokens");
+  ep_bwd_case(&p, 2, zero, "MXFP8 W = 2, rank 0 without tokens");
+  ep_bwd_case(&p, 4, four, "MXFP8 W = 4, 100 + 0 + 141 + 59 tokens");
+  p.f.mode = MOK_CONTEXT_RECOMPUTE;
+  ep_bwd_case(&p, 2, two, "MXFP8 W = 2, RECOMPUTE");
+  const test_route_t hot = {0.3, 0, 13};
+  ep_bwd_problem(&p, 0, 300, hot);
+  p.f.prec = MOK_PRECISION_MXFP8;
+  ep_bwd_case(&p, 2, two, "MXFP8 W = 2, no shared expert, a hot expert, 30% empty slots");
+}
+
 // A context that does not match on one rank: that rank says why, the other names it, and no
 // rank computes (dx untouched on both).
 MOK_TEST(ep_backward_context_mismatch_on_one_rank) {

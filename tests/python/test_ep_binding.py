@@ -370,9 +370,22 @@ def _moe_step(moe, x, idx, tw, dy):
 @gpu
 @pytest.mark.parametrize("W,Ts", EP_CASES, ids=[f"W{W}-{'+'.join(map(str, T))}" for W, T in EP_CASES])
 def test_moe_ep_equals_one_rank(W, Ts):
+    _moe_ep_case(W, Ts, "bf16")
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp8-block", "mxfp8"])
+def test_moe_fp8_ep_equals_one_rank(precision):
+    """fp8 modules quantize their weights at every forward; rank r its experts' slice, whose
+    bytes are those of the W = 1 module's (blocks never cross experts)."""
+    _moe_ep_case(4, [100, 0, 141, 59], precision)
+
+
+def _moe_ep_case(W, Ts, precision):
     x, idx, tw, dy, _ = _problem(sum(Ts), seed=9)
     idx = idx.long()  # the module casts torch.topk's int64 ids
-    shape = dict(hidden=GH, intermediate=GI, num_experts=GE, top_k=GK, shared_intermediate=GIS)
+    shape = dict(hidden=GH, intermediate=GI, num_experts=GE, top_k=GK, shared_intermediate=GIS,
+                 precision=precision)
     torch.manual_seed(3)
     ref = MoE(**shape, max_tokens=sum(Ts), device="cuda:0")
     y1, x1, tw1 = _moe_step(ref, x, idx, tw, dy)

@@ -207,10 +207,12 @@ typedef struct {
   mok_tp_error_t *err;
   const int32_t *topk_idx;    /* [T, K] (layout) */
   const void *x;              /* [T, H] bf16 (dispatch) */
-  const void *xq;             /* fp8-block layers (dispatch, ep fp8 gather), else NULL: each
-                                 token's e4m3 row [T, H] and its H / 128 fp32 scales
+  const void *xq;             /* fp8 layers (dispatch, ep fp8 and MXFP8 gathers), else NULL:
+                                 each token's e4m3 row [T, H] and its H / 128 4-byte scale words
                                  (xq_s[b * xq_s_ld + t]) cross instead of x's bf16 row; a
-                                 received row is the H bytes, then the scales */
+                                 received row is the H bytes, then the words. fp8-block: fp32
+                                 scales; MXFP8: four E8M0 bytes per word (the bits, copied as
+                                 they are: mok_mx_quantize_rows_launch) */
   const float *xq_s;
   int64_t xq_s_ld;
   void *y;                    /* [T, H] bf16 (combine) */
@@ -275,6 +277,10 @@ mokResult_t mok_ep_gather_launch(const mok_tp_params_t *p, void *stream);
  * from the received rows (a dispatch with p->xq) or this rank's xq. After dispatch. */
 mokResult_t mok_ep_gather_fp8_launch(const mok_tp_params_t *p, void *rq, float *rq_s,
                                      int64_t rs_ld, void *stream);
+/* MXFP8: xg[row] = the bf16 values of each row's token's MXFP8 row (its e4m3 bytes times their
+ * E8M0 scales: mok_mx_qdq_rows_launch's values of x), from the received rows (a dispatch with
+ * p->xq) or this rank's xq. After dispatch. */
+mokResult_t mok_ep_gather_mx_launch(const mok_tp_params_t *p, void *stream);
 /* A signal to every rank that this rank's yk (and yk_w) regions are complete, then the waits for
  * every rank's: nothing moves (the reduce pulls). After the kernels that wrote them. */
 mokResult_t mok_ep_combine_launch(const mok_tp_params_t *p, void *stream);

@@ -10,7 +10,8 @@
  *   (dispatch: the transport's kernel, MOK_TP_DISPATCH, with topk_w)
  *   gather    xg[row] = recv_x[src] or x[t], in layout order: the A of the gate/up GEMM
  *             (fp8-block: the e4m3 rows and scales, from the received rows or this rank's
- *             quantized x, ep_gather_fp8_kernel)
+ *             quantized x, ep_gather_fp8_kernel; MXFP8: the same bytes, e4m3 rows and E8M0
+ *             scales, dequantized into bf16 xg, ep_gather_mx_kernel)
  *   (the grouped GEMMs of the W = 1 chain on this rank's experts: yk [rows, H]; the shared
  *   expert on this rank's tokens: ys)
  *   combine   a signal that this rank's yk (the window's yk region: the forward's expert
@@ -39,6 +40,7 @@
 #include "cuda/comm/transport.cuh"
 #include "cuda/error_word.cuh"
 #include "cuda/forward/rows.cuh"
+#include "cuda/quant/quantize.cuh"
 
 #define EP_THREADS 256
 #define EP_REDUCE_BATCH 8 /* slots whose rows the reduce loads before adding them */
@@ -222,6 +224,42 @@ __global__ void __launch_bounds__(EP_THREADS)
   }
 }
 
+// MXFP8, one warp per row: xg[row] = the bf16 values of its token's MXFP8 row (e4m3 bytes times
+// their E8M0 scales, quant_mx_dequant8: what mok_mx_qdq_rows_launch gives for the token's x), from
+// recv_x (a token of another rank: its H bytes, then its H / 128 words of four scales) or this
+// rank's xq and xq_s (the words of mok_mx_quantize_rows_launch). 16 elements per lane and step:
+// half a 1x32 block, one 16-byte load of e4m3.
+__global__ void __launch_bounds__(EP_THREADS)
+    ep_gather_mx_kernel(const __grid_constant__ mok_tp_params_t p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = p.offsets[p.EL], H16 = p.H / 16, H8 = p.H / 8;
+  const int32_t *row_src = (const int32_t *)(p.peer[p.rank] + p.win.row_src);
+  const char *recv = p.peer[p.rank] + p.win.recv_x;
+  const uint32_t *xs = (const uint32_t *)p.xq_s;  // E8M0 words, not fp32 values
+  uint4 *xg = (uint4 *)p.xg;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+  for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
+       r += warps) {
+    const int32_t src = tp_ld_peer_i32(row_src + r);
+    const int64_t t = -(int64_t)src - 1;  // this rank's token, when src < 0
+    const char *from = src >= 0 ? recv + (int64_t)src * p.H * 2 : (const char *)p.xq + t * p.H;
+    for (int64_t c = lane; c < H16; c += 32) {  // elements 16 c .. 16 c + 15: block c / 2
+      uint4 q;
+      uint32_t word;
+      if (src >= 0) {
+        q = tp_ld_peer_v4(from + c * 16);
+        word = (uint32_t)tp_ld_peer_i32((const int32_t *)(from + p.H) + c / 8);
+      } else {
+        q = tp_ld_input_v4(from + c * 16);
+        word = xs[(c / 8) * p.xq_s_ld + t];
+      }
+      const float scale = quant_e8m0_scale((word >> (8 * ((c / 2) % 4))) & 0xFFu);
+      xg[r * H8 + 2 * c] = quant_mx_dequant8(make_uint2(q.x, q.y), scale);
+      xg[r * H8 + 2 * c + 1] = quant_mx_dequant8(make_uint2(q.z, q.w), scale);
+    }
+  }
+}
+
 // The combine of a layer: nothing moves (the pull: the home ranks' reduce reads the rows where
 // this rank wrote them). Each CTA signals every rank that this rank's yk and yk_w, written by the
 // kernels before this one on its stream, are complete (the release covers them), then waits for
@@ -301,6 +339,7 @@ extern "C" mokResult_t mok_ep_preload(void) {
   const cudaError_t e[] = {cudaFuncGetAttributes(&a, ep_prep_kernel),
                            cudaFuncGetAttributes(&a, ep_gather_kernel),
                            cudaFuncGetAttributes(&a, ep_gather_fp8_kernel),
+                           cudaFuncGetAttributes(&a, ep_gather_mx_kernel),
                            cudaFuncGetAttributes(&a, ep_combine_kernel),
                            cudaFuncGetAttributes(&a, ep_reduce_kernel)};
   for (cudaError_t x : e)
@@ -333,6 +372,15 @@ extern "C" mokResult_t mok_ep_gather_fp8_launch(const mok_tp_params_t *p, void *
     return MOK_ERROR_INVALID_SHAPE;
   ep_gather_fp8_kernel<<<ep_blocks(EP_THREADS / 32, p->R), EP_THREADS, 0,
                          (cudaStream_t)stream>>>(*p, (uint8_t *)rq, rq_s, rs_ld);
+  return ep_launched();
+}
+
+extern "C" mokResult_t mok_ep_gather_mx_launch(const mok_tp_params_t *p, void *stream) {
+  if (!p || !p->offsets || !p->xg || (p->T > 0 && (!p->xq || !p->xq_s)))
+    return MOK_ERROR_NULL_POINTER;
+  if (p->H % 128 != 0 || (p->T > 0 && p->xq_s_ld < p->T)) return MOK_ERROR_INVALID_SHAPE;
+  ep_gather_mx_kernel<<<ep_blocks(EP_THREADS / 32, p->R), EP_THREADS, 0,
+                        (cudaStream_t)stream>>>(*p);
   return ep_launched();
 }
 
