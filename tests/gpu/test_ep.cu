@@ -752,60 +752,52 @@ MOK_TEST(ep_backward_fused_equals_one_rank) {
   ep_bwd_path = MOK_BACKWARD_CHAIN;
 }
 
-// fp8-block layers with W = 2 and 4 ranks: y, dx, dtopk_w and the routed weight gradients
-// bitwise the W = 1 fp8-block layer's (the arrived bf16 rows quantized per row are the bytes
-// W = 1 copies from each token's quantization, and every fp8 GEMM row depends on its own A row).
-MOK_TEST(ep_fp8_block_equals_one_rank) {
-  NEED_GPU();
+// An fp8 precision's cases with W = 2 and 4 ranks (`name` in the messages; RECOMPUTE with scale
+// rounding `rec_scale`): y, dx, dtopk_w and the routed weight gradients bitwise the W = 1 layer's
+// of the same precision.
+static void ep_fp8_cases(mok_precision_t prec, const char *name, mok_fp8_scale_t rec_scale) {
+  const int64_t two[2] = {211, 89}, zero[2] = {0, 300}, four[4] = {100, 0, 141, 59};
+  char what[160];
+#define EP_WHAT(s) (snprintf(what, sizeof(what), "%s %s", name, s), what)
   fwd_problem_t f;
   ep_problem(&f, 128, 300, test_route_uniform(0.1));
-  f.prec = MOK_PRECISION_FP8_BLOCK;
-  const int64_t two[2] = {211, 89}, zero[2] = {0, 300}, four[4] = {100, 0, 141, 59};
-  ep_case(&f, 2, two, "fp8-block W = 2, 211 + 89 tokens");
-  ep_case(&f, 4, four, "fp8-block W = 4, 100 + 0 + 141 + 59 tokens");
+  f.prec = prec;
+  ep_case(&f, 2, two, EP_WHAT("W = 2, 211 + 89 tokens"));
+  ep_case(&f, 2, zero, EP_WHAT("W = 2, rank 0 without tokens"));
+  ep_case(&f, 4, four, EP_WHAT("W = 4, 100 + 0 + 141 + 59 tokens"));
+  ep_problem(&f, 0, 300, test_route_uniform(0.3));
+  f.prec = prec;
+  ep_case(&f, 2, two, EP_WHAT("W = 2, no shared expert, 30% empty slots"));
   bwd_problem_t p;
   ep_bwd_problem(&p, 128, 300, test_route_uniform(0.1));
-  p.f.prec = MOK_PRECISION_FP8_BLOCK;
-  ep_bwd_case(&p, 2, two, "fp8-block W = 2, 211 + 89 tokens");
-  ep_bwd_case(&p, 2, zero, "fp8-block W = 2, rank 0 without tokens");
-  ep_bwd_case(&p, 4, four, "fp8-block W = 4, 100 + 0 + 141 + 59 tokens");
+  p.f.prec = prec;
+  ep_bwd_case(&p, 2, two, EP_WHAT("W = 2, 211 + 89 tokens"));
+  ep_bwd_case(&p, 2, zero, EP_WHAT("W = 2, rank 0 without tokens"));
+  ep_bwd_case(&p, 4, four, EP_WHAT("W = 4, 100 + 0 + 141 + 59 tokens"));
   p.f.mode = MOK_CONTEXT_RECOMPUTE;
-  p.f.fp8_scale = MOK_FP8_SCALE_POW2;
-  ep_bwd_case(&p, 2, two, "fp8-block W = 2, RECOMPUTE, power-of-two scales");
+  p.f.fp8_scale = rec_scale;
+  ep_bwd_case(&p, 2, two, EP_WHAT("W = 2, RECOMPUTE"));
   const test_route_t hot = {0.3, 0, 13};
   ep_bwd_problem(&p, 0, 300, hot);
-  p.f.prec = MOK_PRECISION_FP8_BLOCK;
-  ep_bwd_case(&p, 2, two, "fp8-block W = 2, no shared expert, a hot expert, 30% empty slots");
+  p.f.prec = prec;
+  ep_bwd_case(&p, 2, two, EP_WHAT("W = 2, no shared expert, a hot expert, 30% empty slots"));
+#undef EP_WHAT
 }
 
-// MXFP8 layers with W = 2 and 4 ranks: y, dx, dtopk_w and the routed weight gradients bitwise
-// the W = 1 MXFP8 layer's. Each token's x crosses as e4m3 bytes and E8M0 scales, dequantized on
-// the expert rank by the same device function that gives the W = 1 layer's values; the backward
-// sends bf16 x and dy (its weight gradients read the unquantized rows) and quantizes per row.
+// fp8-block: the arrived e4m3 rows and scales are the bytes W = 1 copies from each token's
+// quantization, and every fp8 GEMM row depends on its own A row; RECOMPUTE with power-of-two
+// scales.
+MOK_TEST(ep_fp8_block_equals_one_rank) {
+  NEED_GPU();
+  ep_fp8_cases(MOK_PRECISION_FP8_BLOCK, "fp8-block", MOK_FP8_SCALE_POW2);
+}
+
+// MXFP8: each token's x crosses as e4m3 bytes and E8M0 scales, dequantized on the expert rank by
+// the same device function that gives the W = 1 layer's values; the backward sends bf16 x and dy
+// (its weight gradients read the unquantized rows) and quantizes per row.
 MOK_TEST(ep_mxfp8_equals_one_rank) {
   NEED_GPU();
-  fwd_problem_t f;
-  ep_problem(&f, 128, 300, test_route_uniform(0.1));
-  f.prec = MOK_PRECISION_MXFP8;
-  const int64_t two[2] = {211, 89}, zero[2] = {0, 300}, four[4] = {100, 0, 141, 59};
-  ep_case(&f, 2, two, "MXFP8 W = 2, 211 + 89 tokens");
-  ep_case(&f, 2, zero, "MXFP8 W = 2, rank 0 without tokens");
-  ep_case(&f, 4, four, "MXFP8 W = 4, 100 + 0 + 141 + 59 tokens");
-  ep_problem(&f, 0, 300, test_route_uniform(0.3));
-  f.prec = MOK_PRECISION_MXFP8;
-  ep_case(&f, 2, two, "MXFP8 W = 2, no shared expert, 30% empty slots");
-  bwd_problem_t p;
-  ep_bwd_problem(&p, 128, 300, test_route_uniform(0.1));
-  p.f.prec = MOK_PRECISION_MXFP8;
-  ep_bwd_case(&p, 2, two, "MXFP8 W = 2, 211 + 89 tokens");
-  ep_bwd_case(&p, 2, zero, "MXFP8 W = 2, rank 0 without tokens");
-  ep_bwd_case(&p, 4, four, "MXFP8 W = 4, 100 + 0 + 141 + 59 tokens");
-  p.f.mode = MOK_CONTEXT_RECOMPUTE;
-  ep_bwd_case(&p, 2, two, "MXFP8 W = 2, RECOMPUTE");
-  const test_route_t hot = {0.3, 0, 13};
-  ep_bwd_problem(&p, 0, 300, hot);
-  p.f.prec = MOK_PRECISION_MXFP8;
-  ep_bwd_case(&p, 2, two, "MXFP8 W = 2, no shared expert, a hot expert, 30% empty slots");
+  ep_fp8_cases(MOK_PRECISION_MXFP8, "MXFP8", MOK_FP8_SCALE_FP32);  // MXFP8 ignores the scale
 }
 
 // A context that does not match on one rank: that rank says why, the other names it, and no
