@@ -149,26 +149,22 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
                     l->tuning.forward_path != MOK_FORWARD_CHAIN;
   const int in_kernel = fused && ep_dispatch_in_kernel(l);
   const int64_t T4 = mok_ws_ld4(l->d.max_tokens), R4 = mok_ws_ld4(R);
-  if (fp8) {
-    /* fp8-block rows on the wire: x quantized once per token (as at W = 1; the shared expert's
-     * A too), each token's e4m3 row and scales dispatched (about half of x's bf16 bytes) */
-    if (T > 0 && (r = mok_gpu_quantize_rows(l, a->x, T, H, mok_gpu_ws(l, MOK_WS_XQT),
-                                            mok_gpu_ws(l, MOK_WS_XQT_S), T4, NULL, stream)) !=
-                     MOK_SUCCESS)
+  if (fp8 || mx) {
+    /* fp8 rows on the wire: x quantized once per token, each token's e4m3 row and its H / 128
+     * scale words dispatched (about half of x's bf16 bytes). fp8-block: as at W = 1 (the shared
+     * expert's A too); MXFP8: four E8M0 scales to a word, and with a shared expert also the
+     * rows' bf16 values into xdq, its A */
+    uint8_t *xq = mok_gpu_ws(l, MOK_WS_XQT);
+    void *xq_s = mok_gpu_ws(l, MOK_WS_XQT_S);
+    if (T > 0 && fp8 &&
+        (r = mok_gpu_quantize_rows(l, a->x, T, H, xq, xq_s, T4, NULL, stream)) != MOK_SUCCESS)
       return r;
-    p.xq = mok_gpu_ws(l, MOK_WS_XQT);
-    p.xq_s = (const float *)mok_gpu_ws(l, MOK_WS_XQT_S), p.xq_s_ld = T4;
-  } else if (mx) {
-    /* MXFP8 rows on the wire: x quantized once per token into e4m3 rows and E8M0 words, which
-     * the dispatch sends as it sends fp8-block rows; with a shared expert also their bf16
-     * values into xdq, its A */
-    if (T > 0 && (r = mok_mx_quantize_rows_launch(
-                      a->x, (uint8_t *)mok_gpu_ws(l, MOK_WS_XQT),
-                      (uint32_t *)mok_gpu_ws(l, MOK_WS_XQT_S), T4,
-                      Is > 0 ? mok_gpu_ws(l, MOK_WS_XDQ) : NULL, T, H, stream)) != MOK_SUCCESS)
+    if (T > 0 && mx &&
+        (r = mok_mx_quantize_rows_launch(a->x, xq, xq_s, T4,
+                                         Is > 0 ? mok_gpu_ws(l, MOK_WS_XDQ) : NULL, T, H,
+                                         stream)) != MOK_SUCCESS)
       return mok_gpu_launcher_failed(l, r);
-    p.xq = mok_gpu_ws(l, MOK_WS_XQT);
-    p.xq_s = (const float *)mok_gpu_ws(l, MOK_WS_XQT_S), p.xq_s_ld = T4;
+    p.xq = xq, p.xq_s = (const float *)xq_s, p.xq_s_ld = T4;
   }
   if (!in_kernel && (r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");

@@ -298,15 +298,14 @@ __global__ void __launch_bounds__(QROW_THREADS)
   }
 }
 
-static mokResult_t quant_mx_rows_run(const char *fn, const quant_mx_rows_t *k, const void *in,
-                                     const void *out, void *stream) {
+static mokResult_t quant_mx_rows_run(const char *fn, const quant_mx_rows_t *k, void *stream) {
   const int64_t rows = k->rows, cols = k->cols;
-  if (!in) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: in is NULL", fn);
+  if (!k->in) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: in is NULL", fn);
   if (rows < 0 || cols < 0 || cols % 128 != 0 || rows * cols > ((int64_t)1 << 40))
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
                     "%s: rows = %lld, cols = %lld: cols must be a multiple of 128", fn,
                     (long long)rows, (long long)cols);
-  if ((uintptr_t)in % 16 != 0 || (uintptr_t)out % 16 != 0 || (uintptr_t)k->limit % 4 != 0 ||
+  if ((uintptr_t)k->in % 16 != 0 || (uintptr_t)k->out % 16 != 0 || (uintptr_t)k->limit % 4 != 0 ||
       (uintptr_t)k->q % 8 != 0 || (uintptr_t)k->s % 4 != 0)
     return mok_fail(NULL, MOK_ERROR_MISALIGNED,
                     "%s: in, out 16-byte, q 8-byte, scales and rows_limit 4-byte aligned", fn);
@@ -330,7 +329,7 @@ extern "C" mokResult_t mok_mx_qdq_rows_launch(const void *in, void *out, int64_t
   memset(&k, 0, sizeof(k));
   k.in = (const uint4 *)in, k.out = (uint4 *)out;
   k.rows = rows, k.cols = cols, k.limit = rows_limit;
-  return quant_mx_rows_run(fn, &k, in, out, stream);
+  return quant_mx_rows_run(fn, &k, stream);
 }
 
 extern "C" mokResult_t mok_mx_quantize_rows_launch(const void *in, uint8_t *q, uint32_t *scales,
@@ -345,7 +344,7 @@ extern "C" mokResult_t mok_mx_quantize_rows_launch(const void *in, uint8_t *q, u
   memset(&k, 0, sizeof(k));
   k.in = (const uint4 *)in, k.out = (uint4 *)out, k.q = (uint2 *)q, k.s = scales;
   k.s_ld = scales_ld, k.rows = rows, k.cols = cols;
-  return quant_mx_rows_run(fn, &k, in, out, stream);
+  return quant_mx_rows_run(fn, &k, stream);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
