@@ -1,13 +1,13 @@
 """
 bench/ep.py: the MoE layer with expert parallelism (EP): W = 1, 2, 4 ranks over the same tokens,
 checked for EP-invariance and timed, forward and forward + backward (BF16 unless --precision
-fp8-block, fp32 weight gradients unless --wgrad bf16).
+fp8-block or mxfp8, fp32 weight gradients unless --wgrad bf16).
 
 One GPU (python3 bench/ep.py): W virtual ranks (mok.Comm.virtual) share the GPU, each rank's calls
 on its own stream, all enqueued from this thread. The W ranks share the SMs, so W > 1 cannot be
 faster than W = 1: the ratio to W = 1 measures the overhead of expert parallelism (the transport's
 layout, dispatch and combine and the reduce as kernels of their own beside each rank's fused
-kernel, src/gpu/forward_ep.c, more and smaller launches; fp8-block runs a kernel chain; w1_chain_ms
+kernel, src/gpu/forward_ep.c, more and smaller launches; fp8 layers run kernel chains; w1_chain_ms
 is W = 1's own chain, timed in the same run, for comparison), not scaling. Several GPUs
 (NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node=W bench/ep.py): W real ranks, one per GPU, over Comm.from_process_group; each
 rank also runs the W = 1 layer on all tokens on its own GPU, as the reference and the ratio's
@@ -35,7 +35,7 @@ Appends one JSON object per (model, W, forward or forward + backward) to --jsonl
 bench/results/ep.jsonl), with the commit; a W that was skipped gets one row with the reason.
 
     python3 bench/ep.py [--tokens 16384] [--cases substring] [--ranks 1,2,4] [--wgrad fp32|bf16]
-                        [--precision bf16|fp8-block] [--capacity-factor 0]
+                        [--precision bf16|fp8-block|mxfp8] [--capacity-factor 0]
                         [--timing blocked|interleaved] [--commit SHA] [--profile]
 
 Memory: every rank's layer has its own workspace and context, sized for T/W tokens and, with
@@ -381,8 +381,8 @@ def main():
                          "ignored under torchrun, where W is the world size")
     ap.add_argument("--wgrad", choices=("fp32", "bf16"), default="fp32",
                     help="the weight gradients' dtype")
-    ap.add_argument("--precision", choices=("bf16", "fp8-block"), default="bf16",
-                    help="the layers' precision (fp8-block: each rank's experts quantized by "
+    ap.add_argument("--precision", choices=("bf16", "fp8-block", "mxfp8"), default="bf16",
+                    help="the layers' precision (fp8 layers: each rank's experts quantized by "
                          "mok_quantize_weights once, before the timed calls)")
     ap.add_argument("--capacity-factor", type=float, default=0.0,
                     help="mok_layer_desc_t.capacity_factor of every layer (0: W, never overflows)")
