@@ -164,7 +164,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
                                          Is > 0 ? mok_gpu_ws(l, MOK_WS_XDQ) : NULL, T, H,
                                          stream)) != MOK_SUCCESS)
       return mok_gpu_launcher_failed(l, r);
-    p.xq = xq, p.xq_s = (const float *)xq_s, p.xq_s_ld = T4;
+    p.xq = xq, p.xq_s = xq_s, p.xq_s_ld = T4;
   }
   if (!in_kernel && (r = mok_tp_run_launch(&p, stream)) != MOK_SUCCESS)
     return mok_fail(l, r, "mok_forward: the dispatch kernel failed to launch");

@@ -213,7 +213,7 @@ typedef struct {
                                  received row is the H bytes, then the words. fp8-block: fp32
                                  scales; MXFP8: four E8M0 bytes per word (the bits, copied as
                                  they are: mok_mx_quantize_rows_launch) */
-  const float *xq_s;
+  const uint32_t *xq_s;
   int64_t xq_s_ld;
   void *y;                    /* [T, H] bf16 (combine) */
   int phases;                 /* MOK_TP_DISPATCH | MOK_TP_COMBINE | MOK_TP_REDUCE (run) */

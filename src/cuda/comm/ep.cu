@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(EP_THREADS)
     } else {
       const char *from = (const char *)p.xq + t * p.H;
       for (int64_t c = lane; c < H16; c += 32) to[c] = tp_ld_input_v4(from + c * 16);
-      for (int64_t b = lane; b < nb; b += 32) rq_s[b * rs_ld + r] = p.xq_s[b * p.xq_s_ld + t];
+      for (int64_t b = lane; b < nb; b += 32) rq_s[b * rs_ld + r] = __uint_as_float(p.xq_s[b * p.xq_s_ld + t]);
     }
   }
 }
@@ -235,7 +235,6 @@ __global__ void __launch_bounds__(EP_THREADS)
   const int64_t rows = p.offsets[p.EL], H16 = p.H / 16, H8 = p.H / 8;
   const int32_t *row_src = (const int32_t *)(p.peer[p.rank] + p.win.row_src);
   const char *recv = p.peer[p.rank] + p.win.recv_x;
-  const uint32_t *xs = (const uint32_t *)p.xq_s;  // E8M0 words, not fp32 values
   uint4 *xg = (uint4 *)p.xg;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
   for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
@@ -251,7 +250,7 @@ __global__ void __launch_bounds__(EP_THREADS)
         word = (uint32_t)tp_ld_peer_i32((const int32_t *)(from + p.H) + c / 8);
       } else {
         q = tp_ld_input_v4(from + c * 16);
-        word = xs[(c / 8) * p.xq_s_ld + t];
+        word = p.xq_s[(c / 8) * p.xq_s_ld + t];
       }
       const float scale = quant_e8m0_scale((word >> (8 * ((c / 2) % 4))) & 0xFFu);
       xg[r * H8 + 2 * c] = quant_mx_dequant8(make_uint2(q.x, q.y), scale);

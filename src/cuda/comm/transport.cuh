@@ -345,8 +345,7 @@ __device__ __forceinline__ void tp_dispatch_rows(const mok_tp_params_t &p, uint6
         const int32_t pd = __shfl_sync(0xffffffffu, pos, d);
         // copied as bits: MXFP8's words are four E8M0 bytes, not fp32 values
         uint32_t *dst = (uint32_t *)(p.peer[d] + recv + (int64_t)pd * H * 2 + H);
-        const uint32_t *ws = (const uint32_t *)p.xq_s;
-        for (int64_t b = lane; b < H / 128; b += 32) dst[b] = ws[b * p.xq_s_ld + t];
+        for (int64_t b = lane; b < H / 128; b += 32) dst[b] = p.xq_s[b * p.xq_s_ld + t];
       }
     }
   }
