@@ -83,7 +83,6 @@ static mokResult_t fp8_recompute(mok_layer_t l, const mok_forward_args_t *a,
   /* a is overwritten by the SwiGLU backward */
   mok_grouped_gemm_params_t gu = mok_gpu_fp8_swiglu_params(
       l, &a->w, 0, T, c->offsets, c->row_w, WS(MOK_WS_A), WS(MOK_WS_G), WS(MOK_WS_U));
-  if (c->gather) mok_gpu_fp8_gathered(l, c->gather->row_tok, T, &gu);
   if ((r = mok_gpu_gemm(l, &gu, "mok_backward", "fp8 recompute gate/up", stream)) != MOK_SUCCESS)
     return r;
   if (Is > 0 && T > 0) { /* x quantized in xqt by mok_gpu_fp8_rows */
@@ -271,7 +270,6 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
       return r;
     dsp = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, E, R, I, H);
     dsp.a = WS(MOK_WS_XQ), dsp.a_scale = (const float *)WS(MOK_WS_XQ_S), dsp.a_scale_ld = R4;
-    if (c->gather) mok_gpu_fp8_gathered(l, c->gather->row_tok, T, &dsp);
     mok_gpu_qw_operand(l, &a->w, MOK_QW_WD_T, 0, &dsp);
     dsp.offsets = c->offsets, dsp.c = WS(MOK_WS_DS);
   }
@@ -434,7 +432,6 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   gp.status = p.status;
   gp.slot_row = (int32_t *)p.ctx_slot_row; /* read only by the gather */
   gp.row_w = (float *)WS(MOK_WS_ROW_W);
-  gp.row_tok = (int32_t *)WS(MOK_WS_ROW_TOK); /* fp8-block: the GEMMs' row map */
   gp.x = a->x, gp.xg = WS(MOK_WS_XG);
   if ((r = mok_fwd_gather_launch(&gp, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
   gp.x = gr->dy, gp.xg = WS(MOK_WS_DYG);
@@ -443,7 +440,7 @@ static mokResult_t bwd_chain(mok_layer_t l, const mok_forward_args_t *a,
   /* 3. The local chain on every expert, then dx and dtopk_w. */
   mok_bwd_rows_t c;
   c.ctx = ctx, c.row_w = gp.row_w, c.offsets = p.offsets, c.shared_offsets = p.shared_offsets;
-  c.gather = &gp; /* x's and dy's: fp8 layers' GEMMs read the tokens' e4m3 rows through row_tok */
+  c.gather = &gp; /* x's and dy's: fp8 layers copy their e4m3 rows */
   c.reduce = &p;   /* the fused kernel reduces in it */
   c.dxk = NULL, c.dw_row = NULL; /* the workspace's */
   if ((r = mok_gpu_backward_local(l, a, gr, &c, stream)) != MOK_SUCCESS) return r;

@@ -188,7 +188,6 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   mok_grouped_gemm_params_t gu = mok_gpu_fp8_swiglu_params(
       l, &a->w, 0, T, c->offsets, c->row_w, WS(MOK_WS_A), save ? ctx + lay->ctx[MOK_CTX_G] : NULL,
       save ? ctx + lay->ctx[MOK_CTX_U] : NULL);
-  if (c->row_tok) mok_gpu_fp8_gathered(l, c->row_tok, T, &gu);
   if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "fp8 routed gate/up", stream)) != MOK_SUCCESS)
     return r;
   if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_A), R, I, WS(MOK_WS_AQ), WS(MOK_WS_AQ_S), R4,
@@ -222,14 +221,13 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   return MOK_SUCCESS;
 }
 
-/* fp8-block, W = 1: x quantized once per token (xqt: the shared expert's A, and the routed gate/up
- * GEMM's, which reads the rows through the layout's row_tok), the experts' GEMMs
- * (mok_gpu_forward_fp8_experts), the BF16 reduce. */
+/* fp8-block, W = 1: x quantized once per token (xqt: the shared expert's A), its e4m3 rows copied
+ * into expert order (xq), the experts' GEMMs (mok_gpu_forward_fp8_experts), the BF16 reduce. */
 static mokResult_t gpu_forward_fp8(mok_layer_t l, const mok_forward_args_t *a,
                                    const mok_fwd_local_params_t *p, char *ctx, void *stream) {
   mokResult_t r = mok_gpu_fp8_rows(l, p, a->x, NULL, p->offsets, a->num_tokens, stream);
   if (r != MOK_SUCCESS) return r;
-  const mok_fp8_rows_t c = {p->offsets, p->shared_offsets, p->row_w, (void *)p->yk, p->row_tok};
+  const mok_fp8_rows_t c = {p->offsets, p->shared_offsets, p->row_w, (void *)p->yk};
   if ((r = mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   r = mok_fwd_reduce_launch(p, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
@@ -300,7 +298,7 @@ static mokResult_t gpu_forward_mx(mok_layer_t l, const mok_forward_args_t *a,
   mok_fwd_local_params_t p = *pp;
   p.x = xdq;
   if ((r = mok_fwd_gather_launch(&p, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
-  const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, p.row_w, (void *)p.yk, NULL};
+  const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, p.row_w, (void *)p.yk};
   if ((r = mok_gpu_forward_mx_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS) return r;
   r = mok_fwd_reduce_launch(&p, stream);
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);

@@ -184,7 +184,7 @@ mokResult_t mok_gpu_forward_ep(mok_layer_t l, const mok_forward_args_t *a, void 
   if (fused) {
     if ((r = ep_forward_fused(l, a, &p, in_kernel, ctx, stream)) != MOK_SUCCESS) return r;
   } else if (fp8 || mx) {
-    const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w, (void *)p.yk, NULL};
+    const mok_fp8_rows_t c = {p.offsets, p.shared_offsets, row_w, (void *)p.yk};
     if ((r = fp8 ? mok_gpu_forward_fp8_experts(l, a, &c, ctx, stream)
                  : mok_gpu_forward_mx_experts(l, a, &c, ctx, stream)) != MOK_SUCCESS)
       return r;

@@ -50,17 +50,14 @@ void mok_gpu_fused_params(mok_layer_t l, const mok_forward_args_t *a, char *ctx,
                           mok_fwd_fused_params_t *f);
 
 /* fp8-block: the experts' fp8 GEMMs of a forward (src/gpu/forward.c), W = 1 or one rank of an
- * expert-parallel layer, once the workspace's xqt holds the call's tokens' e4m3 values (the shared
- * expert's A) and, without row_tok, xq the routed rows': a [R, I], yk [R, H], as, ys; SAVE mode:
- * g, u, gs, us into ctx. offsets [EL + 1] of the rows, shared_offsets {0, T}, row_w [R] their
- * router weights; yk: where the expert outputs go (the workspace's, or the transport window's yk
- * region); row_tok [R] (W = 1): each row's token, through which the routed gate/up GEMM reads
- * xqt's rows itself (mok_gpu_fp8_gathered), or NULL. */
+ * expert-parallel layer, once the workspace's xq holds the routed rows' e4m3 values and xqt the
+ * call's tokens' (the shared expert's): a [R, I], yk [R, H], as, ys; SAVE mode: g, u, gs, us into
+ * ctx. offsets [EL + 1] of the rows, shared_offsets {0, T}, row_w [R] their router weights; yk:
+ * where the expert outputs go (the workspace's, or the transport window's yk region). */
 typedef struct {
   const int32_t *offsets, *shared_offsets;
   const float *row_w;
   void *yk;
-  const int32_t *row_tok;
 } mok_fp8_rows_t;
 mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t *a,
                                         const mok_fp8_rows_t *c, char *ctx, void *stream);
@@ -84,9 +81,9 @@ typedef struct {
   const char *ctx;
   const float *row_w;
   const int32_t *offsets, *shared_offsets;
-  /* W = 1: the gather's parameters (slot_row, status, row_tok): an fp8-block layer quantizes x
-   * and dy once per token and its GEMMs read the e4m3 rows through row_tok
-   * (mok_gpu_fp8_gathered); NULL: it quantizes the gathered bf16 rows xg, dyg */
+  /* W = 1: the gather's parameters (slot_row, status): an fp8-block layer quantizes x and dy
+   * once per token and copies the e4m3 rows (mok_fwd_gather_fp8_launch); NULL: it quantizes the
+   * gathered bf16 rows xg, dyg */
   const struct mok_fwd_local_params *gather;
   /* W = 1: the dx reduce's parameters, for the fused backward kernel to reduce in it; NULL: the
    * caller reduces (expert parallel: after the combine) */
@@ -163,19 +160,13 @@ mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, i
                                   void *stream);
 
 /* fp8-block layers: the e4m3 rows of a call's token rows src [T, H] (x or dy) for the GEMMs over the
- * experts' rows, with K-block-major scales. With `gather` (W = 1: the gather's parameters, whose
- * row_tok [R] holds each row's token) src is quantized once per token into xqt, whose rows the
- * GEMMs read in expert order through row_tok (mok_gpu_fp8_gathered); else the rows already in
- * expert order (`rows` [R, H], those below offsets[EL]) are quantized into xq, and src into xqt
- * only for the shared expert. Per row the same bytes either way. */
+ * experts' rows, into the workspace's xq with K-block-major scales. With `gather` (W = 1: the
+ * gather's parameters) src is quantized once per token into xqt and its rows copied into expert
+ * order; else the rows already in expert order (`rows` [R, H], those below offsets[EL]) are
+ * quantized, and src into xqt only for the shared expert. Per row the same bytes either way. */
 mokResult_t mok_gpu_fp8_rows(mok_layer_t l, const struct mok_fwd_local_params *gather,
                              const void *src, const void *rows, const int32_t *offsets, int64_t T,
                              void *stream);
-/* fp8-block: GEMM p over the experts' rows reads them from the workspace's xqt (the call's T
- * tokens, quantized once) through row_tok [R] (each row's token) instead of from xq: the e4m3
- * rows in expert order are never copied (mok_grouped_gemm_params_t.a_rows). */
-void mok_gpu_fp8_gathered(mok_layer_t l, const int32_t *row_tok, int64_t T,
-                          mok_grouped_gemm_params_t *p);
 
 /* fp8 layers: B and its scales of a GEMM (p->b and p->b_scale, or p->b_e8m0 for MXFP8; second =
  * 1: p->b2 and its scales) from operand copy `which` of the caller's quantized weights w. */

@@ -209,18 +209,16 @@ mokResult_t mok_gpu_fp8_rows(mok_layer_t l, const mok_fwd_local_params_t *gather
   if (T > 0 && (gather || l->d.shared_intermediate > 0))
     r = mok_gpu_quantize_rows(l, src, T, H, mok_gpu_ws(l, MOK_WS_XQT), mok_gpu_ws(l, MOK_WS_XQT_S),
                               T4, NULL, stream);
-  if (r != MOK_SUCCESS || gather) return r; /* the GEMMs read xqt through gather->row_tok */
+  if (r != MOK_SUCCESS) return r;
+  if (gather) {
+    r = mok_fwd_gather_fp8_launch(gather, mok_gpu_ws(l, MOK_WS_XQT),
+                                  (const float *)mok_gpu_ws(l, MOK_WS_XQT_S), T4,
+                                  mok_gpu_ws(l, MOK_WS_XQ), (float *)mok_gpu_ws(l, MOK_WS_XQ_S), R4,
+                                  stream);
+    return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
+  }
   return mok_gpu_quantize_rows(l, rows, R, H, mok_gpu_ws(l, MOK_WS_XQ), mok_gpu_ws(l, MOK_WS_XQ_S),
                                R4, offsets + l->EL, stream);
-}
-
-void mok_gpu_fp8_gathered(mok_layer_t l, const int32_t *row_tok, int64_t T,
-                          mok_grouped_gemm_params_t *p) {
-  p->a = mok_gpu_ws(l, MOK_WS_XQT);
-  p->a_scale = (const float *)mok_gpu_ws(l, MOK_WS_XQT_S);
-  p->a_scale_ld = mok_ws_ld4(l->d.max_tokens);
-  p->a_rows = row_tok;
-  p->a_m = T;
 }
 
 void mok_gpu_qw_operand(mok_layer_t l, const mok_weights_t *w, mok_qw_which_t which, int second,

@@ -3,7 +3,7 @@
  * 128x128 weight scales, promotion every 128 reduction elements) and its MXFP8-B path (bf16 A,
  * e4m3 B with 1x32 E8M0 scales) against fp64 sums on the host; ragged and empty groups, rows
  * outside every group untouched, bitwise run to run, whatever the CTA count and whichever layout
- * the activation scales come in; rows gathered through a row map bitwise those copied first.
+ * the activation scales come in.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -401,93 +401,6 @@ MOK_TEST(gemm_fp8_block_two_segments_equal_one) {
   check_fp8_segments(pr, 256, MOK_GG_EPI_STORE_BF16);
   check_fp8_segments(pr, 256, MOK_GG_EPI_STORE_F32);
   check_fp8_segments(make_problem(128, 256, {5, 0, 40}, 2, 3), 256, MOK_GG_EPI_STORE_BF16);
-}
-
-// Gathered A (a_rows): row r of a group reads row a_rows[r] of a source S [Ms, K] and its scales
-// (K-block major [K/128, lds]). Bitwise the GEMM of the rows copied into A [M, K] beforehand (the
-// kernel changes where the stage's bytes come from, not what is computed; that GEMM is checked
-// against fp64 above), for SwiGLU (c, g, u) and fp32 stores, with 5 CTAs and one per SM, and with
-// tiles in bands; rows outside every group keep their poison. Source rows repeat (a token's k
-// slots) and come in any order; rows outside every group map to -1, which the kernel must never
-// read (an out-of-bounds address, so reading one fails the launch).
-static void check_fp8_gathered(const problem_t &pr, int Ms, mok_gg_epilogue_t epi) {
-  const int G = pr.G, M = pr.M, N = pr.N, K = pr.K, KB = K / 128, NB = N / 128;
-  const int swiglu = epi == MOK_GG_EPI_SWIGLU;
-  fp8_operand S((size_t)Ms * K, 0), Bg((size_t)G * N * K, (size_t)G * NB * KB),
-      Bu((size_t)G * N * K, (size_t)G * NB * KB);
-  const int lds = (Ms + 3) / 4 * 4 + 4, ld = (M + 3) / 4 * 4;
-  std::vector<float> ss((size_t)KB * lds, NAN), sa((size_t)KB * ld, NAN);
-  for (auto &v : ss) v = ldexp(1.0f + 0.5f * rnd_unit(), -9);
-  std::vector<int32_t> rows(M, -1), offs32(pr.offs.begin(), pr.offs.end());
-  std::vector<uint8_t> a((size_t)M * K, 0);
-  for (int r = 0; r < M; r++) {
-    if (group_of_row(pr, r) < 0) continue;
-    rows[r] = (int32_t)(test_rng_u32(&g_rng) % (uint32_t)Ms);
-    memcpy(&a[(size_t)r * K], &S.q[(size_t)rows[r] * K], K);
-    for (int kb = 0; kb < KB; kb++) sa[(size_t)kb * ld + r] = ss[(size_t)kb * lds + rows[r]];
-  }
-  std::vector<float> w(M);
-  for (auto &v : w) v = 0.25f + 0.75f * fabsf(rnd_unit());
-  uint8_t *dsrc = to_dev(S.q), *da = to_dev(a), *dbg = to_dev(Bg.q), *dbu = to_dev(Bu.q);
-  float *dss = to_dev(ss), *dsa = to_dev(sa), *dsg = to_dev(Bg.s), *dsu = to_dev(Bu.s),
-        *dw = to_dev(w);
-  int32_t *drows = to_dev(rows), *doffs = to_dev(offs32);
-  const size_t cbytes = (size_t)M * N * (swiglu ? 2 : 4);
-  void *dc = NULL, *dg = NULL, *du = NULL;
-  cudaMalloc(&dc, cbytes);
-  cudaMalloc(&dg, cbytes);
-  cudaMalloc(&du, cbytes);
-  MOK_REQUIRE(dsrc && da && dbg && dbu && dss && dsa && dsg && dsu && dw && drows && doffs && dc &&
-              dg && du);
-  mok_grouped_gemm_params_t copied = gemm_params(MOK_GG_FP8_BLOCK, epi, G, M, N, K, da, dbg, doffs, dc);
-  copied.a_scale = dsa, copied.a_scale_ld = ld, copied.b_scale = dsg;
-  if (swiglu) {
-    copied.b2 = dbu, copied.b2_scale = dsu, copied.row_scale = dw;
-    copied.g_out = dg, copied.u_out = du;
-  }
-  void *outs[3] = {dc, dg, du};
-  const int n_out = swiglu ? 3 : 1;
-  std::vector<uint8_t> want[3], got(cbytes);
-  for (int v = 0; v < 4; v++) {  // the copied rows, then gathered on 5 CTAs, on all, in bands
-    mok_grouped_gemm_params_t q = copied;
-    if (v > 0) {
-      q.a = dsrc, q.a_scale = dss, q.a_scale_ld = lds, q.a_rows = drows, q.a_m = Ms;
-      q.num_sms = v == 1 ? 5 : 0;
-      q.group_m = v == 3 ? 2 : 0;
-    }
-    for (int o = 0; o < n_out; o++) cudaMemset(outs[o], 0xFF, cbytes);
-    const mokResult_t res = mok_grouped_gemm_launch(&q, NULL);
-    const cudaError_t err = cudaDeviceSynchronize();
-    MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "gathered fp8 (epilogue %d, "
-                    "variant %d): launch %d, cuda %s", (int)epi, v, (int)res,
-                    cudaGetErrorString(err));
-    for (int o = 0; o < n_out; o++) {
-      cudaMemcpy(got.data(), outs[o], cbytes, cudaMemcpyDeviceToHost);
-      if (v == 0) want[o] = got;
-      else MOK_EXPECT_MSG(got == want[o], "gathered fp8 (epilogue %d): output %d of variant %d "
-                          "differs from the copied rows'", (int)epi, o, v);
-    }
-  }
-  // misuse: a map without K-block-major scales, or with a second segment, is refused
-  mok_grouped_gemm_params_t bad = copied;
-  bad.a = dsrc, bad.a_rows = drows, bad.a_m = Ms, bad.a_scale = dss, bad.a_scale_ld = 0;
-  MOK_EXPECT(mok_grouped_gemm_launch(&bad, NULL) == MOK_ERROR_INVALID_VALUE);
-  bad.a_scale_ld = lds, bad.a_m = lds + 1;
-  MOK_EXPECT(mok_grouped_gemm_launch(&bad, NULL) == MOK_ERROR_INVALID_SHAPE);
-  cudaFree(dsrc); cudaFree(da); cudaFree(dbg); cudaFree(dbu); cudaFree(dss); cudaFree(dsa);
-  cudaFree(dsg); cudaFree(dsu); cudaFree(dw); cudaFree(drows); cudaFree(doffs); cudaFree(dc);
-  cudaFree(dg); cudaFree(du);
-}
-
-MOK_TEST(gemm_fp8_block_gathered_rows_equal_copied) {
-  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
-  // groups ending inside a tile, an empty one, rows before and after; fewer and more source rows
-  // than rows (Ms = 61: repeats; 700: sparse); K = 384 an odd number of blocks
-  const problem_t pr = make_problem(256, 384, {0, 1, 127, 128, 129, 0, 70}, 5, 37);
-  check_fp8_gathered(pr, 61, MOK_GG_EPI_SWIGLU);
-  check_fp8_gathered(pr, 700, MOK_GG_EPI_SWIGLU);
-  check_fp8_gathered(pr, 700, MOK_GG_EPI_STORE_F32);
-  check_fp8_gathered(make_problem(128, 128, {5, 0, 40}, 2, 3), 9, MOK_GG_EPI_STORE_F32);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

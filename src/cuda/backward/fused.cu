@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   const bool valid = *(volatile int32_t *)p.status != 0;
 
   if (threadIdx.x == 32) {
-    tp_init_barriers<BK_STAGES>(full, empty, 1);
+    tp_init_barriers<BK_STAGES>(full, empty);
     ptx_prefetch_tensormap(&m.dg);
     ptx_prefetch_tensormap(&m.wg);
     ptx_prefetch_tensormap(&m.xg_w);

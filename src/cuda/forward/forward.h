@@ -66,9 +66,14 @@ typedef struct mok_fwd_local_params {
  * tile_m = 1), checks capacity, writes the context header; and, for the fused forward, row_w,
  * row_tok, tile_pre, the reduce order (red_pre, red_order) and zeroed counters. */
 mokResult_t mok_fwd_layout_launch(const mok_fwd_local_params_t *p, void *stream);
-/* xg[slot_row[t, k]] = x[t], row_w[slot_row[t, k]] = topk_w[t, k], and when row_tok is not NULL
- * row_tok[slot_row[t, k]] = t (the backward's row map for the fp8-block GEMMs). */
+/* xg[slot_row[t, k]] = x[t], row_w[slot_row[t, k]] = topk_w[t, k]. */
 mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, void *stream);
+/* fp8-block layers: rq[slot_row[t, k]] = xq[t] (e4m3 [T, H] -> [R, H]) with the row's scales,
+ * K-block major on both sides (scale of row r, block b at s[b * ld + r]; xs_ld >= T), and row_w
+ * as the gather writes it. H % 128 == 0. */
+mokResult_t mok_fwd_gather_fp8_launch(const mok_fwd_local_params_t *p, const void *xq,
+                                      const float *xq_s, int64_t xs_ld, void *rq, float *rq_s,
+                                      int64_t rs_ld, void *stream);
 /* y[t] = bf16(ys[t] + yk[row(t, 0)] + ... + yk[row(t, K-1)]), fp32, slot order, empty slots
  * skipped; y untouched when the call's status is 0. */
 mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream);

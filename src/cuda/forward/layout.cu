@@ -17,8 +17,8 @@
  *             prefix sums); all CTAs zero the fused kernel's counters.
  *          3. slot_row = rank + rows of the expert in earlier chunks + offsets[expert]: the rows of
  *             src/cpu/layout.c with W = 1 and tile_m = 1 (no padding), whatever the chunking;
- *             copies go to the context, and for the fused forward and the fp8-block GEMMs
- *             row_tok and row_w (the gather's row order).
+ *             copies go to the context, and for the fused forward row_tok and row_w (the
+ *             gather's row order).
  *          4. For the fused forward, the reduce order: red_order lists the tokens by their
  *             highest expert (bins red_pre, from the chunks' bin counts), so that the fused
  *             kernel can reduce a token as soon as the DOWN tiles of experts up to its last are

@@ -3,8 +3,7 @@
  * kernels around the grouped GEMMs of the unfused forward (forward.h):
  *
  *   gather:  xg[slot_row[t, k]] = x[t]  and  row_w[slot_row[t, k]] = topk_w[t, k]
- *            (and row_tok[slot_row[t, k]] = t: the fp8-block GEMMs read the tokens' quantized
- *            rows through it, gemm.h's a_rows)
+ *            (fp8-block layers: the quantized rows of x and their scales)
  *   reduce:  y[t] = bf16( ys[t] + yk[row(t, 0)] + ... + yk[row(t, K-1)] )
  *            (forward/rows.cuh, shared with the fused forward), so equal yk and ys give bitwise
  *            equal y.
@@ -51,10 +50,7 @@ __global__ void __launch_bounds__(RL_THREADS)
   if (!rl_token_rows(p.slot_row, p.T, p.K, t, rows)) return;
   const int64_t K = p.K, H8 = p.H / 8;  // 16-byte chunks per row
   for (int64_t k = lane; k < K; k += 32)
-    if (rows[k] >= 0) {
-      p.row_w[rows[k]] = p.topk_w[t * K + k];
-      if (p.row_tok) p.row_tok[rows[k]] = (int32_t)t;
-    }
+    if (rows[k] >= 0) p.row_w[rows[k]] = p.topk_w[t * K + k];
   const uint4 *src = (const uint4 *)p.x + t * H8;  // [H / 8] of token t
   uint4 *xg = (uint4 *)p.xg;                       // [R, H / 8]
   for (int64_t c = lane; c < H8; c += 32) {
@@ -63,6 +59,42 @@ __global__ void __launch_bounds__(RL_THREADS)
       const int32_t r = rows[k];
       if (r >= 0) xg[(int64_t)r * H8 + c] = v;
     }
+  }
+}
+
+// fp8-block layers: the token rows quantized once (e4m3 [T, H], scales K-block major
+// [H/128, xs_ld]) copied to their rows (rq [R, H], rq_s [H/128, rs_ld]); quantizing per row, the
+// copy of a quantized row is the quantized copy.
+typedef struct {
+  const uint4 *xq;  // [T, H / 16]
+  const float *xs;
+  int64_t xs_ld;
+  uint4 *rq;        // [R, H / 16]
+  float *rs;
+  int64_t rs_ld;
+} rl_fp8_rows_t;
+
+__global__ void __launch_bounds__(RL_THREADS)
+    rl_gather_fp8_kernel(const __grid_constant__ mok_fwd_local_params_t p,
+                         const __grid_constant__ rl_fp8_rows_t f) {
+  __shared__ int32_t s_rows[RL_WARPS][MOK_MAX_TOP_K];
+  if (*p.status == 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = (int64_t)blockIdx.x * RL_WARPS + warp;
+  int32_t *rows = s_rows[warp];
+  if (!rl_token_rows(p.slot_row, p.T, p.K, t, rows)) return;
+  const int64_t K = p.K, H16 = p.H / 16, HB = p.H / 128;
+  for (int64_t k = lane; k < K; k += 32)
+    if (rows[k] >= 0) p.row_w[rows[k]] = p.topk_w[t * K + k];
+  for (int64_t c = lane; c < H16; c += 32) {
+    const uint4 v = f.xq[t * H16 + c];
+    for (int64_t k = 0; k < K; k++)
+      if (rows[k] >= 0) f.rq[(int64_t)rows[k] * H16 + c] = v;
+  }
+  for (int64_t b = lane; b < HB; b += 32) {
+    const float v = f.xs[b * f.xs_ld + t];
+    for (int64_t k = 0; k < K; k++)
+      if (rows[k] >= 0) f.rs[b * f.rs_ld + rows[k]] = v;
   }
 }
 
@@ -108,6 +140,24 @@ extern "C" mokResult_t mok_fwd_gather_launch(const mok_fwd_local_params_t *p, vo
   const unsigned blocks = (unsigned)((p->T + RL_WARPS - 1) / RL_WARPS);
   rl_gather_kernel<<<blocks, RL_THREADS, 0, (cudaStream_t)stream>>>(*p);
   return rl_launched("gather");
+}
+
+extern "C" mokResult_t mok_fwd_gather_fp8_launch(const mok_fwd_local_params_t *p, const void *xq,
+                                                 const float *xq_s, int64_t xs_ld, void *rq,
+                                                 float *rq_s, int64_t rs_ld, void *stream) {
+  mokResult_t r = rl_check(p, "fp8 gather");
+  if (r != MOK_SUCCESS) return r;
+  if (!p->row_w || !xq || !xq_s || !rq || !rq_s)
+    return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "fp8 gather launch: NULL buffer");
+  if (p->H % 128 || xs_ld < p->T || rs_ld < 1 || ((uintptr_t)xq | (uintptr_t)rq) % 16)
+    return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE,
+                    "fp8 gather launch: H = %lld (a multiple of 128), scale strides %lld, %lld",
+                    (long long)p->H, (long long)xs_ld, (long long)rs_ld);
+  if (p->T == 0) return MOK_SUCCESS;
+  rl_fp8_rows_t f = {(const uint4 *)xq, xq_s, xs_ld, (uint4 *)rq, rq_s, rs_ld};
+  const unsigned blocks = (unsigned)((p->T + RL_WARPS - 1) / RL_WARPS);
+  rl_gather_fp8_kernel<<<blocks, RL_THREADS, 0, (cudaStream_t)stream>>>(*p, f);
+  return rl_launched("fp8 gather");
 }
 
 extern "C" mokResult_t mok_fwd_reduce_launch(const mok_fwd_local_params_t *p, void *stream) {

@@ -96,15 +96,6 @@ typedef struct {
                                 [G N, K2 / 32] */
   int group_m;               /* row tiles per band of the tile order: 0 = by B's size against
                                 the L2 (mok_tile_group_m; the default), -1 = none, n > 0 = n */
-  const int32_t *a_rows;     /* fp8-block, optional (NULL: A holds the rows): row r of a group
-                                reads row a_rows[r] of A [a_m, K] e4m3 and its scales from
-                                K-block-major a_scale (a_scale_ld >= a_m), gathered by the
-                                kernel's producer warps: the layer's tokens quantized once and
-                                read in expert order without a copy. Every a_rows[r] of a row in
-                                a group must lie in [0, a_m) (not checked: the map comes from
-                                the layout kernel); rows outside every group are not read.
-                                SwiGLU and STORE_F32 epilogues, no second segment */
-  int64_t a_m;               /* with a_rows: rows of A, 1 .. 2^31 - 1 */
 } mok_grouped_gemm_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,

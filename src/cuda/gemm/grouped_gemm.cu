@@ -85,8 +85,6 @@ typedef struct {
   const uint8_t *b2_e8m0;  // MXFP8 B: up's [G N, K/32] (SwiGLU) or B2's [G N, K2/32]
   int64_t b_rows;          // MXFP8 B: G N, the rows of B (and B2)
   int kq1, kq2;            // MXFP8 B: scale bytes per row of B (K/32) and of B2 (K2/32)
-  const int32_t *a_rows;   // fp8-block, gathered A: row r reads row a_rows[r] of `a`
-  const uint8_t *a;        // gathered A: [a_m, K] e4m3
 } gg_kernel_params_t;
 
 // How the consumers learn their tiles: the producer thread walks the order (gg_sched_next) and
@@ -102,14 +100,12 @@ __device__ __forceinline__ int4 gg_tag(const gg_tile_t &t) {
   return make_int4(t.group, t.row0, t.row_end, t.n0);
 }
 
-// Producer thread, after the last tile: the end, at the ring's position once that stage is free,
-// arriving for all `arrivals` of the full barrier (tp_init_barriers).
+// Producer thread, after the last tile: the end, at the ring's position once that stage is free.
 template <typename P>
-__device__ __forceinline__ void gg_post_end(tp_ring_t *ring, uint64_t *full, uint64_t *empty,
-                                            uint32_t arrivals) {
+__device__ __forceinline__ void gg_post_end(tp_ring_t *ring, uint64_t *full, uint64_t *empty) {
   ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
   tp_post_tag<P>(full, ring->stage, make_int4(-1, 0, 0, 0));
-  ptx_mbar_arrive_count(&full[ring->stage], arrivals);
+  ptx_mbar_arrive(&full[ring->stage]);
 }
 
 // The plan's tags, as a pointer the compiler knows is shared memory (indexed from smem_raw: LDS
@@ -191,7 +187,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   uint64_t *full, *empty;
   uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
                                      EPI == MOK_GG_EPI_SWIGLU ? &tm_b2 : NULL,
-                                     TMA_STORE ? &tm_c : NULL, 1);
+                                     TMA_STORE ? &tm_c : NULL);
   const int wg = threadIdx.x / 128;
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
@@ -215,7 +211,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         tp_produce_tile_bn<GG_BM, GG_BN, STAGES, C_BYTES>(&ring, smem, full, empty, &tm_a,
                                                           tile.row0, b, p.k_blocks, gg_tag(tile));
       }
-      gg_post_end<P>(&ring, full, empty, 1);
+      gg_post_end<P>(&ring, full, empty);
     } else if (threadIdx.x == 0) {
       while (gg_sched_next(&sched, &tile)) {
         tp_b_source_t b;
@@ -231,7 +227,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
         tp_produce_tile<GG_BM, GG_BN, STAGES, C_BYTES>(&ring, smem, full, empty, &tm_a, tile.row0,
                                                        b, p.k_blocks, GG_BK_BF16, gg_tag(tile));
       }
-      gg_post_end<P>(&ring, full, empty, 1);
+      gg_post_end<P>(&ring, full, empty);
     }
   } else {
     ptx_setmaxnreg_inc<GG_CONSUMER_REGS>();
@@ -359,7 +355,7 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
         ((uintptr_t)p->b2_scale & 3u))
       return MOK_ERROR_MISALIGNED;
     if (p->a_scale_ld != 0) {  // K-block major: TMA rows of 16-byte multiples
-      if ((!p->a_rows && p->a_scale_ld < p->m_total) || p->a_scale_ld % 4 != 0 ||
+      if (p->a_scale_ld < p->m_total || p->a_scale_ld % 4 != 0 ||
           p->a_scale_ld >= ((int64_t)1 << 31))
         return MOK_ERROR_INVALID_SHAPE;
       if ((uintptr_t)p->a_scale & 15u) return MOK_ERROR_MISALIGNED;
@@ -368,17 +364,8 @@ static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
     }
     if (p->k % 128 != 0 || p->n % 128 != 0 || p->k2 % 128 != 0)
       return MOK_ERROR_INVALID_SHAPE;  // scale blocks
-    if (p->a_rows) {  // gathered A
-      if (p->k2 != 0 || (p->epilogue != MOK_GG_EPI_SWIGLU && p->epilogue != MOK_GG_EPI_STORE_F32))
-        return MOK_ERROR_NOT_IMPLEMENTED;
-      if (p->a_scale_ld == 0) return MOK_ERROR_INVALID_VALUE;  // scales K-block major
-      if (p->a_m < 1 || p->a_m >= ((int64_t)1 << 31) || p->a_scale_ld < p->a_m)
-        return MOK_ERROR_INVALID_SHAPE;
-      if ((uintptr_t)p->a_rows & 3u) return MOK_ERROR_MISALIGNED;
-    }
     if (p->b_layout != MOK_GG_B_KMAJOR) return MOK_ERROR_NOT_IMPLEMENTED;  // fp8 wgmma: K-major
   }
-  if (p->a_rows && p->dtype != MOK_GG_FP8_BLOCK) return MOK_ERROR_NOT_IMPLEMENTED;
   if (p->dtype == MOK_GG_MXFP8_B) {
     if (!p->b_e8m0 || ((p->epilogue == MOK_GG_EPI_SWIGLU || p->k2 != 0) && !p->b2_e8m0))
       return MOK_ERROR_NULL_POINTER;
@@ -460,11 +447,7 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
     gg8_maps_t m;
     const uint64_t rows_b = (uint64_t)(p->num_groups * p->n);
     const uint32_t box_b = swiglu ? 64 : 128;
-    const int gather = p->a_rows != NULL;
-    kp.a_rows = p->a_rows;
-    kp.a = (const uint8_t *)p->a;
-    if (tma_encode_e4m3_sw128(&m.a, p->a, (uint64_t)(gather ? p->a_m : p->m_total),
-                              (uint64_t)p->k, GG8_BM) ||
+    if (tma_encode_e4m3_sw128(&m.a, p->a, (uint64_t)p->m_total, (uint64_t)p->k, GG8_BM) ||
         tma_encode_e4m3_sw128(&m.b, p->b, rows_b, (uint64_t)p->k, box_b))
       return MOK_ERROR_CUDA;
     m.c = m.s = m.a2 = m.b2 = m.a;  // unused unless bf16 output, K-block major a_scale, ...
@@ -483,7 +466,7 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
                                       (uint32_t)(p->a_scale_ld < GG8_SCALE_BOX ? p->a_scale_ld
                                                                                : GG8_SCALE_BOX)))
       return MOK_ERROR_CUDA;
-#define GG8_LAUNCH(EPI) gg_launch_fp8_config<EPI>(&kp, &m, smem_a, segments, gather, grid, s)
+#define GG8_LAUNCH(EPI) gg_launch_fp8_config<EPI>(&kp, &m, smem_a, segments, grid, s)
     cudaError_t err = p->epilogue == MOK_GG_EPI_STORE_BF16 ? GG8_LAUNCH(MOK_GG_EPI_STORE_BF16)
                       : p->epilogue == MOK_GG_EPI_STORE_F32 ? GG8_LAUNCH(MOK_GG_EPI_STORE_F32)
                       : p->epilogue == MOK_GG_EPI_SWIGLU    ? GG8_LAUNCH(MOK_GG_EPI_SWIGLU)
@@ -556,8 +539,6 @@ extern "C" mokResult_t mok_gg_preload(void) {
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_ONE>),
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_BF16, 5, 1, TP_FP8_B_SEGMENTS>),
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_SEGMENTS>),
-      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_SWIGLU, 5, 1, TP_FP8_B_HALVES, 1>),
-      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_ONE, 1>),
       // the MXFP8 layers'
       cudaFuncGetAttributes(&a, gg_mx_kernel<MOK_GG_EPI_SWIGLU>),
       cudaFuncGetAttributes(&a, gg_mx_kernel<MOK_GG_EPI_STORE_BF16>),

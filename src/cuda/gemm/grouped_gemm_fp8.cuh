@@ -18,11 +18,6 @@
  * stage (one more TMA box per stage), so the consumers read them there; row-major ones are read
  * by the consumers from global memory, one block ahead.
  *
- * Gathered A (GATHER, with K-block-major scales): row r of a group is row a_rows[r] of A (the
- * layer's tokens, quantized once), copied with its scales into the stage by the producer
- * warpgroup's four warps with cp.async, where TMA loads a block of consecutive rows; the layer
- * then needs no e4m3 copy of its rows in expert order.
- *
  * Same CTA shape as the bf16 kernel (1 producer + 2 consumer warpgroups, persistent, tiles from
  * tile/scheduler.cuh), with 128 x 128 tiles: the promotion keeps the stage's partial sums apart
  * from the fp32 total, in two sets so that the next stage's wgmmas run while one is promoted
@@ -56,12 +51,6 @@ struct gg8_plan {
 // the producer loads one more box per stage: 32 and 232.
 enum { GG8_PRODUCER_REGS = 24, GG8_CONSUMER_REGS = 240 };
 enum { GG8_SMEM_A_PRODUCER_REGS = 32, GG8_SMEM_A_CONSUMER_REGS = 232 };
-// Gathered A: the producer's four warps copy rows (eight row indices per thread) and take 40.
-enum { GG8_GATHER_PRODUCER_REGS = 40 };
-static_assert(GG8_GATHER_PRODUCER_REGS + 2 * GG8_SMEM_A_CONSUMER_REGS <= 3 * 168, "the same");
-// A gathered stage's full barrier: thread 0's arrive.expect_tx (B by TMA) and one cp.async
-// arrival per producer thread.
-#define GG8_GATHER_ARRIVALS (1 + 128)
 static_assert(GG8_PRODUCER_REGS + 2 * GG8_CONSUMER_REGS <= 3 * 168, "the launch's registers");
 static_assert(GG8_SMEM_A_PRODUCER_REGS + 2 * GG8_SMEM_A_CONSUMER_REGS <= 3 * 168, "the same");
 
@@ -120,73 +109,10 @@ __device__ __forceinline__ void gg8_produce_tile(tp_ring_t *ring, uint8_t *smem,
   }
 }
 
-// Gathered A, producer thread lt of 128: the k_blocks stages of one tile, B by TMA (thread 0,
-// which also posts the tile's tag with its first stage), A's rows and their scales by cp.async.
-// Each tile row is 128 bytes (8 units of 16) of its row of A; unit c of tile row r goes to unit
-// c ^ (r % 8) (the 128-byte swizzle, as TMA writes it). Thread lt copies unit lt % 8 of rows
-// 32 w + 4 j + (lt % 32) / 8, j < 8 (w = lt / 32), so that each warp instruction reads four whole
-// 128-byte lines, and the scale of tile row lt into the stage's slot where the consumers read it
-// (entry (row0 % 4) + lt, as the TMA box from row0 rounded down lays it out). Rows past the
-// group's end are zeros, their scales too: nothing of them is stored.
-template <int STAGES, int C_BYTES, int HALVES>
-__device__ __forceinline__ void gg8_gather_tile(tp_ring_t *ring, uint8_t *smem, uint64_t *full,
-                                                uint64_t *empty, const gg_kernel_params_t &p,
-                                                const gg_tile_t &tile, const CUtensorMap *map_b,
-                                                const CUtensorMap *map_b2, uint8_t *slots,
-                                                int lt) {
-  typedef tp_plan<GG8_BM, GG8_BN, STAGES, C_BYTES> P;
-  constexpr int J = 8;
-  const int w = lt >> 5, c = lt & 7, r0 = 4 * J * w + ((lt & 31) >> 3);
-  // 32-bit row indices and byte counts in registers (addresses widened as they are used), so the
-  // warpgroup fits in its 40 registers beside the scheduler's cursor
-  const uint32_t row_bytes = (uint32_t)p.k_split * GG8_BK;
-  uint32_t src[J];  // rows of A
-  uint32_t valid = 0;
-#pragma unroll
-  for (int j = 0; j < J; j++) {
-    const int row = tile.row0 + r0 + 4 * j;
-    const bool v = row < tile.row_end;
-    src[j] = v ? (uint32_t)p.a_rows[row] : 0u;
-    valid |= (v ? 1u : 0u) << j;
-  }
-  const bool s_valid = tile.row0 + lt < tile.row_end;
-  const uint32_t s_row = s_valid ? (uint32_t)p.a_rows[tile.row0 + lt] : 0u;
-  const uint32_t s_dst = 4 * ((tile.row0 & 3) + lt);
-  const int b_row = tile.group * p.n + tile.n0;  // HALVES: gate and up rows of the columns
-  for (int kb = 0; kb < p.k_blocks; kb++) {
-    ptx_mbar_wait(&empty[ring->stage], ring->phase ^ 1u);
-    uint8_t *a_tile = smem + ring->stage * P::STAGE_BYTES;
-    uint64_t *bar = &full[ring->stage];
-    if (lt == 0) {
-      if (kb == 0) tp_post_tag<P>(full, ring->stage, gg_tag(tile));
-      uint8_t *b_tile = a_tile + P::A_BYTES;
-      ptx_mbar_arrive_expect_tx(bar, P::B_BYTES);
-      if (HALVES) {
-        ptx_tma_load_2d(b_tile, map_b, bar, kb * GG8_BK, b_row);
-        ptx_tma_load_2d(b_tile + 64 * MOK_TP_ROW_BYTES, map_b2, bar, kb * GG8_BK, b_row);
-      } else {
-        ptx_tma_load_2d(b_tile, map_b, bar, kb * GG8_BK, b_row);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < J; j++) {
-      const int r = r0 + 4 * j;
-      ptx_cp_async_16(a_tile + r * MOK_TP_ROW_BYTES + ((c ^ (r & 7)) << 4),
-                      p.a + ((uint64_t)src[j] * row_bytes + (uint32_t)(kb * GG8_BK + 16 * c)),
-                      (valid >> j) & 1u ? 16u : 0u);
-    }
-    ptx_cp_async_4(slots + ring->stage * MOK_TP_FP8_SLOT_BYTES + s_dst,
-                   p.a_scale + ((uint64_t)kb * (uint64_t)p.a_scale_ld + s_row), s_valid ? 4u : 0u);
-    ptx_cp_async_mbar_arrive_noinc(bar);
-    tp_ring_advance<STAGES>(ring);
-  }
-}
-
 // STAGES: ring depth; SMEM_A: activation scales [K/128, ld] through shared memory (above), else
 // [M_total, K/128] read from global memory by the consumers; BMODE: tile/pipeline.cuh's B scale
-// modes (TP_FP8_B_HALVES with the SwiGLU epilogue, TP_FP8_B_SEGMENTS with a second segment);
-// GATHER: A's rows through p.a_rows (gg8_gather_tile), with SMEM_A.
-template <int EPI, int STAGES, int SMEM_A, int BMODE, int GATHER = 0>
+// modes (TP_FP8_B_HALVES with the SwiGLU epilogue, TP_FP8_B_SEGMENTS with a second segment).
+template <int EPI, int STAGES, int SMEM_A, int BMODE>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     gg_fp8_kernel(const __grid_constant__ gg_kernel_params_t p,
                   const __grid_constant__ CUtensorMap tm_a,   // A [M_total, K] e4m3, box [128, 128]
@@ -206,13 +132,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   typedef typename Q::P P;
   static_assert((EPI == MOK_GG_EPI_SWIGLU) == HALVES, "SwiGLU tiles hold gate and up halves");
   static_assert(BMODE != TP_FP8_B_SEGMENTS || SMEM_A, "two segments: scales in one K-major array");
-  static_assert(!GATHER || (SMEM_A && BMODE != TP_FP8_B_SEGMENTS), "gathered rows: one segment, "
-                "scales through the stage slots");
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
   uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
-                                     STAGED ? &tm_c : NULL, SMEM_A && !GATHER ? &tm_s : NULL,
-                                     GATHER ? GG8_GATHER_ARRIVALS : 1);
+                                     STAGED ? &tm_c : NULL, SMEM_A ? &tm_s : NULL);
   const int wg = threadIdx.x / 128;
 
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
@@ -220,13 +143,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   tp_ring_t ring = {0, 0};
   gg_tile_t tile;
 
-  if (wg == 0 && GATHER) {
-    ptx_setmaxnreg_dec<GG8_GATHER_PRODUCER_REGS>();
-    while (gg_sched_next(&sched, &tile))
-      gg8_gather_tile<STAGES, C_BYTES, HALVES>(&ring, smem, full, empty, p, tile, &tm_b, &tm_b2,
-                                               smem + Q::SLOTS_OFFSET, threadIdx.x);
-    if (threadIdx.x == 0) gg_post_end<P>(&ring, full, empty, GG8_GATHER_ARRIVALS);
-  } else if (wg == 0) {
+  if (wg == 0) {
     ptx_setmaxnreg_dec<SMEM_A ? GG8_SMEM_A_PRODUCER_REGS : GG8_PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       if (BMODE != TP_FP8_B_ONE) {
@@ -250,7 +167,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
                                                     p.k_split, gg_tag(tile), tp_no_stage_hook());
         }
       }
-      gg_post_end<P>(&ring, full, empty, 1);
+      gg_post_end<P>(&ring, full, empty);
     }
   } else {
     ptx_setmaxnreg_inc<SMEM_A ? GG8_SMEM_A_CONSUMER_REGS : GG8_CONSUMER_REGS>();
@@ -308,14 +225,14 @@ typedef struct {
   CUtensorMap a, b, c, s, a2, b2;
 } gg8_maps_t;
 
-template <int EPI, int STAGES, int SMEM_A, int BMODE, int GATHER = 0>
+template <int EPI, int STAGES, int SMEM_A, int BMODE>
 static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const gg8_maps_t *m, int grid,
                                  cudaStream_t stream) {
   const int bytes = gg8_plan<EPI, STAGES, SMEM_A>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE, GATHER>,
+  cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
-  gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE, GATHER><<<grid, MOK_TP_THREADS, bytes, stream>>>(
+  gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE><<<grid, MOK_TP_THREADS, bytes, stream>>>(
       *kp, m->a, m->b, m->c, m->s, m->a2, m->b2);
   return cudaGetLastError();
 }
@@ -323,17 +240,11 @@ static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const gg8_maps_t 
 // The fp8 configurations: activation scales [K/128, ld] through shared memory (5 stages: with 6
 // the slots do not fit beside the output staging), or [M_total, K/128] from global memory with 6
 // stages. The first measured 0-4% faster at every benchmark shape (docs/performance.md, "fp8-block GEMM: activation scales").
-// A second segment needs the first (its scales are one K-block-major array), and so do gathered
-// rows (SwiGLU and fp32 stores: the layer's gate/up and ds GEMMs; validated).
+// A second segment needs the first (its scales are one K-block-major array).
 template <int EPI>
 static cudaError_t gg_launch_fp8_config(const gg_kernel_params_t *kp, const gg8_maps_t *m,
-                                        int smem_a, int segments, int gather, int grid,
-                                        cudaStream_t stream) {
+                                        int smem_a, int segments, int grid, cudaStream_t stream) {
   constexpr int ONE = EPI == MOK_GG_EPI_SWIGLU ? TP_FP8_B_HALVES : TP_FP8_B_ONE;
-  if constexpr (EPI == MOK_GG_EPI_SWIGLU || EPI == MOK_GG_EPI_STORE_F32) {
-    if (gather) return gg_launch_fp8<EPI, 5, 1, ONE, 1>(kp, m, grid, stream);
-  }
-  (void)gather;
   if constexpr (EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_STORE_F32) {
     if (segments) return gg_launch_fp8<EPI, 5, 1, TP_FP8_B_SEGMENTS>(kp, m, grid, stream);
   }

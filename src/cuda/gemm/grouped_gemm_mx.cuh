@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
   uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b, &tm_b2,
-                                     p.k_blocks > p.k_split ? &tm_a2 : NULL, 1);
+                                     p.k_blocks > p.k_split ? &tm_a2 : NULL);
   const int wg = threadIdx.x / 128;
   gg_sched_t sched = gg_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,
                                    p.n_tiles, p.group_m, GG_BM, p.bn_out);
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           tp_ring_advance<GGX_STAGES>(&ring);
         }
       }
-      gg_post_end<P>(&ring, full, empty, 1);
+      gg_post_end<P>(&ring, full, empty);
     }
   } else {
     ptx_setmaxnreg_inc<GG_CONSUMER_REGS>();

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
   uint8_t *smem = tp_kernel_start<P>(smem_raw, &full, &empty, &tm_a, &tm_b,
-                                        TMA_STORE ? &tm_c : NULL, NULL, 1);
+                                        TMA_STORE ? &tm_c : NULL, NULL);
   const int wg = threadIdx.x / 128;
 
   gw_sched_t sched = gw_sched_init(p.offsets, p.offsets_int64, p.num_groups, p.m_total,

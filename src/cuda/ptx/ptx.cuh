@@ -272,13 +272,6 @@ __device__ __forceinline__ void ptx_cp_async_16(void *dst, const void *src, uint
                : "memory");
 }
 
-// 4 bytes global -> shared (through L1), asynchronous; src_bytes = 0 reads nothing, writes zeros.
-__device__ __forceinline__ void ptx_cp_async_4(void *dst, const void *src, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(ptx_smem_addr(dst)),
-               "l"(src), "r"(src_bytes)
-               : "memory");
-}
-
 // An arrival on `bar` once this thread's earlier cp.async copies have landed. .noinc: it counts as
 // one of the arrivals the barrier was initialized with.
 __device__ __forceinline__ void ptx_cp_async_mbar_arrive_noinc(uint64_t *bar) {

@@ -69,13 +69,11 @@ __device__ __forceinline__ void tp_ring_advance(tp_ring_t *r) {
   }
 }
 
-// One thread: initializes the barriers (full: `full_arrivals` arrivals per phase, 1 when only the
-// producer thread's arrive.expect_tx arrives). The caller syncs the CTA afterwards.
+// One thread: initializes the barriers. The caller syncs the CTA afterwards.
 template <int STAGES>
-__device__ __forceinline__ void tp_init_barriers(uint64_t *full, uint64_t *empty,
-                                                 uint32_t full_arrivals) {
+__device__ __forceinline__ void tp_init_barriers(uint64_t *full, uint64_t *empty) {
   for (int s = 0; s < STAGES; s++) {
-    ptx_mbar_init(&full[s], full_arrivals);
+    ptx_mbar_init(&full[s], 1);
     ptx_mbar_init(&empty[s], MOK_TP_CONSUMER_WARPS);
   }
   ptx_fence_mbarrier_init();
@@ -83,19 +81,17 @@ __device__ __forceinline__ void tp_init_barriers(uint64_t *full, uint64_t *empty
 
 // The start of a grouped-GEMM kernel: the ring's shared memory (plan P) in the dynamic allocation,
 // aligned to 1024 bytes (the 128-byte swizzle's atom), its barriers initialized and the tensor
-// maps prefetched by one thread, then a CTA barrier. NULL maps are not prefetched. full_arrivals:
-// as for tp_init_barriers.
+// maps prefetched by one thread, then a CTA barrier. NULL maps are not prefetched.
 template <typename P>
 __device__ __forceinline__ uint8_t *tp_kernel_start(uint8_t *smem_raw, uint64_t **full,
                                                     uint64_t **empty, const CUtensorMap *m0,
                                                     const CUtensorMap *m1, const CUtensorMap *m2,
-                                                    const CUtensorMap *m3,
-                                                    uint32_t full_arrivals) {
+                                                    const CUtensorMap *m3) {
   uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
   *full = (uint64_t *)(smem + P::FULL_OFFSET);
   *empty = (uint64_t *)(smem + P::EMPTY_OFFSET);
   if (threadIdx.x == 32) {
-    tp_init_barriers<P::NUM_STAGES>(*full, *empty, full_arrivals);
+    tp_init_barriers<P::NUM_STAGES>(*full, *empty);
     const CUtensorMap *maps[4] = {m0, m1, m2, m3};
 #pragma unroll
     for (int i = 0; i < 4; i++)
