@@ -94,21 +94,23 @@ static mokResult_t fp8_recompute(mok_layer_t l, const mok_forward_args_t *a,
   return r;
 }
 
+/* fp8-block: the SwiGLU backward sb also writes dg and du quantized along n (1x128 blocks, the
+ * layer's scale kind) into q, q2 [rows, n] with one K-block-major scale array [2 n / 128, ld]
+ * (du's blocks after dg's), the data-gradient GEMM's A (fp8_dx_params). */
+static void fp8_swiglu_outputs(mok_layer_t l, void *q, void *q2, float *scales, int64_t ld,
+                               mok_bwd_swiglu_params_t *sb) {
+  sb->dgq = q, sb->duq = q2, sb->q_scales = scales, sb->q_ld = ld;
+  sb->q_kind = mok_gpu_fp8_kind(l);
+}
+
 /* fp8-block: the data-gradient GEMM p (dxk, or the shared dxs: its epilogue, groups and offsets
- * already set) as fp8, dg and du [rows, n] (with limit, the rows below *limit) quantized along n
- * into q, q2 with one K-block-major
- * scale array (du's blocks after dg's), times the transposed copies of the gate and up weights
- * (`gate_t`, and the up copy right after it in mok_qw_which_t): one reduction of 2n, gate first,
- * as the reference's data_grad. */
-static mokResult_t fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, const void *dg,
-                                 const void *du, int64_t rows, const int32_t *limit, int64_t n,
-                                 int64_t ld, void *q, void *q2, float *scales,
-                                 mok_qw_which_t gate_t, mok_grouped_gemm_params_t *p,
-                                 void *stream) {
-  mokResult_t r = mok_gpu_quantize_rows(l, dg, rows, n, q, scales, ld, limit, stream);
-  if (r == MOK_SUCCESS)
-    r = mok_gpu_quantize_rows(l, du, rows, n, q2, scales + (n / 128) * ld, ld, limit, stream);
-  if (r != MOK_SUCCESS) return r;
+ * already set) as fp8 on dg and du quantized by the SwiGLU backward (fp8_swiglu_outputs: q, q2
+ * with one K-block-major scale array, du's blocks after dg's), times the transposed copies of
+ * the gate and up weights (`gate_t`, and the up copy right after it in mok_qw_which_t): one
+ * reduction of 2n, gate first, as the reference's data_grad. */
+static void fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, int64_t n, int64_t ld,
+                          void *q, void *q2, float *scales, mok_qw_which_t gate_t,
+                          mok_grouped_gemm_params_t *p) {
   mok_grouped_gemm_params_t f = mok_gg_fp8_params(p->epilogue, p->num_groups, p->m_total, p->n, n);
   f.a = q, f.a2 = q2, f.k2 = n;
   f.a_scale = scales, f.a_scale_ld = ld;
@@ -116,7 +118,6 @@ static mokResult_t fp8_dx_params(mok_layer_t l, const mok_forward_args_t *a, con
   mok_gpu_qw_operand(l, &a->w, (mok_qw_which_t)(gate_t + 1), 1, &f); /* the up copy */
   f.offsets = p->offsets, f.c = p->c;
   *p = f;
-  return MOK_SUCCESS;
 }
 
 /* MXFP8, RECOMPUTE mode: g, u (and gs, us) again, bit for bit the forward's: the same MXFP8 x
@@ -290,6 +291,7 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   sb.g = g, sb.u = u, sb.ds = (const float *)WS(MOK_WS_DS), sb.row_w = c->row_w;
   sb.a = WS(MOK_WS_A), sb.dg = WS(MOK_WS_DG), sb.du = WS(MOK_WS_DU);
   sb.dw_row = c->dw_row ? c->dw_row : (float *)WS(MOK_WS_DW_ROW);
+  if (fp8) fp8_swiglu_outputs(l, WS(MOK_WS_AQ), WS(MOK_WS_AQ2), (float *)WS(MOK_WS_AQ_S), R4, &sb);
   if ((r = mok_bwd_swiglu_launch(&sb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
 
   /* dxk [R, H] bf16 = bf16(dg · Wg[e] + du · Wu[e]), one reduction of 2I (Wg [E, I, H] is
@@ -298,11 +300,9 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
   dx.a = WS(MOK_WS_DG), dx.b = a->w.wg, dx.offsets = c->offsets;
   dx.c = c->dxk ? c->dxk : WS(MOK_WS_DXK);
   dx.a2 = WS(MOK_WS_DU), dx.b2 = a->w.wu, dx.k2 = I;
-  if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DG), WS(MOK_WS_DU), R, c->offsets + E, I, R4,
-                                WS(MOK_WS_AQ),
-                                WS(MOK_WS_AQ2), (float *)WS(MOK_WS_AQ_S), MOK_QW_WG_T, &dx,
-                                stream)) != MOK_SUCCESS)
-    return r;
+  if (fp8)
+    fp8_dx_params(l, a, I, R4, WS(MOK_WS_AQ), WS(MOK_WS_AQ2), (float *)WS(MOK_WS_AQ_S), MOK_QW_WG_T,
+                  &dx);
   if (mx && (r = mx_dx_params(l, a, WS(MOK_WS_DG), WS(MOK_WS_DU), R, c->offsets + E, I, gq,
                               gq + R * I * 2, MOK_QW_WG_T, &dx, stream)) != MOK_SUCCESS)
     return r;
@@ -334,16 +334,16 @@ mokResult_t mok_gpu_backward_local(mok_layer_t l, const mok_forward_args_t *a,
     ssb.num_groups = 1, ssb.m_total = T, ssb.n = Is, ssb.offsets = c->shared_offsets;
     ssb.g = gs, ssb.u = us, ssb.ds = (const float *)WS(MOK_WS_DSS), ssb.row_w = NULL;
     ssb.a = WS(MOK_WS_AS), ssb.dg = WS(MOK_WS_DGS), ssb.du = WS(MOK_WS_DUS), ssb.dw_row = NULL;
+    if (fp8)
+      fp8_swiglu_outputs(l, WS(MOK_WS_ASQ), WS(MOK_WS_ASQ2), (float *)WS(MOK_WS_ASQ_S), T4, &ssb);
     if ((r = mok_bwd_swiglu_launch(&ssb, stream)) != MOK_SUCCESS) return mok_gpu_launcher_failed(l, r);
     mok_grouped_gemm_params_t sx = mok_gg_bf16_params(MOK_GG_EPI_STORE_F32, MOK_GG_B_NMAJOR, 1, T, H, Is);
     sx.a = WS(MOK_WS_DGS), sx.b = a->w.wsg, sx.offsets = c->shared_offsets; /* Wsg [Is, H] */
     sx.a2 = WS(MOK_WS_DUS), sx.b2 = a->w.wsu, sx.k2 = Is; /* one reduction of 2 Is */
     sx.c = WS(MOK_WS_DXS);                                /* [T, H] fp32 */
-    if (fp8 && (r = fp8_dx_params(l, a, WS(MOK_WS_DGS), WS(MOK_WS_DUS), T, NULL, Is, T4,
-                                  WS(MOK_WS_ASQ),
-                                  WS(MOK_WS_ASQ2), (float *)WS(MOK_WS_ASQ_S), MOK_QW_WSG_T, &sx,
-                                  stream)) != MOK_SUCCESS)
-      return r;
+    if (fp8)
+      fp8_dx_params(l, a, Is, T4, WS(MOK_WS_ASQ), WS(MOK_WS_ASQ2), (float *)WS(MOK_WS_ASQ_S),
+                    MOK_QW_WSG_T, &sx);
     if (mx && (r = mx_dx_params(l, a, WS(MOK_WS_DGS), WS(MOK_WS_DUS), T, NULL, Is, sq,
                                 sq + T * Is * 2, MOK_QW_WSG_T, &sx, stream)) != MOK_SUCCESS)
       return r;

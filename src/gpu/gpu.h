@@ -151,6 +151,8 @@ mokResult_t mok_gpu_gemm(mok_layer_t l, const mok_grouped_gemm_params_t *p, cons
 mokResult_t mok_gpu_mx_qdq(mok_layer_t l, const void *in, void *out, int64_t rows, int64_t cols,
                            const int32_t *limit, void *stream);
 
+/* fp8-block layers: the quantizers' scale kind of the layer's scale rounding (fp32 or power of two). */
+mok_quant_scale_t mok_gpu_fp8_kind(mok_layer_t l);
 /* fp8-block layers: `rows` bf16 rows of `cols` (in, device memory) quantized along the row in 1x128
  * blocks with the layer's scale rounding, exactly as mok_quantize_host does, into e4m3 q [rows,
  * cols] and K-block-major scales (row r, block b at scales[b * ld + r], ld >= rows); with `limit`

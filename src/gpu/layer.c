@@ -180,6 +180,10 @@ mokResult_t mok_gpu_mx_qdq(mok_layer_t l, const void *in, void *out, int64_t row
   return r == MOK_SUCCESS ? MOK_SUCCESS : mok_gpu_launcher_failed(l, r);
 }
 
+mok_quant_scale_t mok_gpu_fp8_kind(mok_layer_t l) {
+  return l->d.fp8_scale == MOK_FP8_SCALE_POW2 ? MOK_QUANT_POW2_SCALE : MOK_QUANT_FP32_SCALE;
+}
+
 mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, int64_t cols,
                                   void *q, void *scales, int64_t ld, const int32_t *limit,
                                   void *stream) {
@@ -191,7 +195,7 @@ mokResult_t mok_gpu_quantize_rows(mok_layer_t l, const void *in, int64_t rows, i
   p.cols = cols;
   p.block_rows = 1;
   p.block_cols = 128;
-  p.kind = l->d.fp8_scale == MOK_FP8_SCALE_POW2 ? MOK_QUANT_POW2_SCALE : MOK_QUANT_FP32_SCALE;
+  p.kind = mok_gpu_fp8_kind(l);
   p.q = (uint8_t *)q;
   p.scales = scales;
   p.scales_ld = ld;

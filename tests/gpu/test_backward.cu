@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backward_test_util.cuh"
+#include "cuda/quant/quant.h"
 
 #define NEED_GPU() \
   if (!test_gpu_present()) MOK_SKIP("no CUDA device")
@@ -381,7 +382,8 @@ MOK_TEST(bwd_gpu_uses_the_context_not_the_last_forward) {
 
 // The SwiGLU backward kernel against the same formulas on the host (libm's expf against CUDA's,
 // each within 2 ulp of exp, so a, dg, du may differ by one bf16 ulp and dw_row by a few fp32 ulp
-// of Σ|ds s|); rows outside [offsets[0], offsets[G]) are not written.
+// of Σ|ds s|); rows outside [offsets[0], offsets[G]) are not written. With e4m3 outputs (fp8-block
+// layers) dg and du's blocks are the quantizer's, bit for bit.
 MOK_TEST(bwd_gpu_swiglu_backward_kernel_matches_host) {
   NEED_GPU();
   const int64_t M = 40, N = 256, G = 3;
@@ -449,6 +451,76 @@ MOK_TEST(bwd_gpu_swiglu_backward_kernel_matches_host) {
   }
   MOK_EXPECT_MSG(bad == 0, "%lld values differ from the host beyond one bf16 ulp", (long long)bad);
   MOK_EXPECT_MSG(untouched_bad == 0, "%lld values written outside the groups", (long long)untouched_bad);
+
+  // fp8-block layers: the same launch also quantizing dg and du. The bf16 outputs do not change,
+  // and the e4m3 bytes and scales are bit for bit the quantizer's (mok_quantize_launch, 1x128
+  // blocks, K-block-major scales) of those bf16 dg and du, for both scale kinds; rows outside the
+  // groups are not written. Row 5's block 0 holds the -0 of g = -100 (silu = -0).
+  const int64_t ld = M + 4, nb = N / 128;
+  uint8_t *q_g = NULL, *q_u = NULL, *ref_q = NULL;
+  float *q_s = NULL, *ref_s = NULL;
+  cudaMalloc(&q_g, (size_t)(M * N));
+  cudaMalloc(&q_u, (size_t)(M * N));
+  cudaMalloc(&ref_q, (size_t)(M * N));
+  cudaMalloc(&q_s, (size_t)(2 * nb * ld) * 4);
+  cudaMalloc(&ref_s, (size_t)(2 * nb * ld) * 4);
+  MOK_REQUIRE(q_g && q_u && ref_q && q_s && ref_s);
+  const mok_quant_scale_t kinds[2] = {MOK_QUANT_FP32_SCALE, MOK_QUANT_POW2_SCALE};
+  for (int kk = 0; kk < 2; kk++) {
+    cudaMemset(q_g, 0x5A, (size_t)(M * N));
+    cudaMemset(q_u, 0x5A, (size_t)(M * N));
+    cudaMemset(q_s, 0x5A, (size_t)(2 * nb * ld) * 4);
+    mok_bwd_swiglu_params_t pq = p;
+    pq.dgq = q_g, pq.duq = q_u, pq.q_scales = q_s, pq.q_ld = ld, pq.q_kind = kinds[kk];
+    MOK_REQUIRE_MSG(mok_bwd_swiglu_launch(&pq, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+    MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    std::vector<uint16_t> dg2((size_t)(M * N)), du2((size_t)(M * N));
+    cudaMemcpy(dg2.data(), o_dg, dg2.size() * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(du2.data(), o_du, du2.size() * 2, cudaMemcpyDeviceToHost);
+    MOK_EXPECT_MSG(dg2 == dg && du2 == du, "kind %d: quantizing changed the bf16 dg, du", kk);
+    std::vector<uint8_t> got_q((size_t)(M * N)), want_q((size_t)(M * N));
+    std::vector<float> got_s((size_t)(2 * nb * ld)), want_s((size_t)(nb * ld));
+    cudaMemcpy(got_s.data(), q_s, got_s.size() * 4, cudaMemcpyDeviceToHost);
+    int64_t qbad = 0, qkept = 0;
+    for (int which = 0; which < 2; which++) {
+      mok_quantize_params_t qp;
+      memset(&qp, 0, sizeof(qp));
+      qp.in = which ? (const void *)o_du : (const void *)o_dg;
+      qp.count = 1, qp.rows = M, qp.cols = N, qp.block_rows = 1, qp.block_cols = 128;
+      qp.kind = kinds[kk], qp.q = ref_q, qp.scales = ref_s, qp.scales_ld = ld;
+      MOK_REQUIRE_MSG(mok_quantize_launch(&qp, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+      MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+      cudaMemcpy(want_q.data(), ref_q, want_q.size(), cudaMemcpyDeviceToHost);
+      cudaMemcpy(want_s.data(), ref_s, want_s.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(got_q.data(), which ? q_u : q_g, got_q.size(), cudaMemcpyDeviceToHost);
+      for (int64_t r = 0; r < M; r++) {
+        const bool in = r >= offs[0] && r < offs[G];
+        for (int64_t i = 0; i < N; i++) {
+          const uint8_t gq = got_q[r * N + i];
+          if (in) qbad += gq != want_q[r * N + i];
+          else qkept += gq != 0x5A;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+          uint32_t gb, wb;
+          memcpy(&gb, &got_s[(which * nb + b) * ld + r], 4);
+          memcpy(&wb, &want_s[b * ld + r], 4);
+          if (in) qbad += gb != wb;
+          else qkept += gb != 0x5A5A5A5Au;
+        }
+      }
+    }
+    MOK_EXPECT_MSG(qbad == 0, "kind %d: %lld e4m3 bytes or scales differ from the quantizer's", kk,
+                   (long long)qbad);
+    MOK_EXPECT_MSG(qkept == 0, "kind %d: %lld e4m3 bytes or scales written outside the groups",
+                   kk, (long long)qkept);
+  }
+  mok_bwd_swiglu_params_t bad_q = p;
+  bad_q.dgq = q_g, bad_q.duq = q_u, bad_q.q_scales = q_s, bad_q.q_ld = M - 1;
+  MOK_EXPECT(mok_bwd_swiglu_launch(&bad_q, NULL) == MOK_ERROR_INVALID_VALUE);
+  bad_q.q_ld = ld, bad_q.duq = NULL;
+  MOK_EXPECT(mok_bwd_swiglu_launch(&bad_q, NULL) == MOK_ERROR_NULL_POINTER);
+  void *qbufs[] = {q_g, q_u, ref_q, q_s, ref_s};
+  for (size_t i = 0; i < sizeof(qbufs) / sizeof(qbufs[0]); i++) cudaFree(qbufs[i]);
   void *bufs[] = {dg_, du_, o_a, o_dg, o_du, d_ds, d_w, d_dw, d_off};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
 }

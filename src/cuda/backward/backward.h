@@ -66,7 +66,11 @@ mokResult_t mok_bwd_reduce_launch(const mok_bwd_local_params_t *p, void *stream)
  *   dw_row[r] = Σ_i ds_i · s_i in fp32: each lane sums its columns 4 (32 j + lane) + (0..3),
  *               j = 0, 1, ... with fmaf in that order, then a butterfly over the 32 lanes
  *               (xor 16, 8, 4, 2, 1). Fixed: bitwise the same run after run.
- * The products are those of src/cpu/ref_backward.c in its order, without contractions. */
+ * The products are those of src/cpu/ref_backward.c in its order, without contractions.
+ * fp8-block layers (dgq not NULL): dg and du also quantized as they are written, their 1x128
+ * blocks (e4m3 dgq, duq [m_total, n], fp32 or power-of-two scales by q_kind in one K-block-major
+ * array q_scales [2 n / 128, q_ld], du's blocks after dg's) bit for bit mok_quantize_launch's of
+ * the bf16 dg, du, so the dxk GEMM needs no quantizer pass. */
 typedef struct {
   int64_t num_groups;         /* G */
   int64_t m_total;            /* rows of every buffer (>= offsets[G]) */
@@ -77,6 +81,10 @@ typedef struct {
   const float *row_w;         /* [m_total] router weight of each row; NULL = 1 (shared expert) */
   void *a, *dg, *du;          /* [m_total, n] bf16, written */
   float *dw_row;              /* [m_total] written; NULL: not computed (shared expert) */
+  void *dgq, *duq;            /* NULL, or [m_total, n] e4m3, 4-byte aligned, written */
+  float *q_scales;            /* with dgq: [2 n / 128, q_ld] */
+  int64_t q_ld;               /* with dgq: >= m_total */
+  mok_quant_scale_t q_kind;   /* with dgq: MOK_QUANT_FP32_SCALE or MOK_QUANT_POW2_SCALE */
 } mok_bwd_swiglu_params_t;
 mokResult_t mok_bwd_swiglu_launch(const mok_bwd_swiglu_params_t *p, void *stream);
 

@@ -14,13 +14,16 @@
  * are the accurate ones (the reference uses libm's expf). The dw sum: lane l of the row's warp
  * owns columns 4 (32 j + l) + (0..3) for j = 0, 1, ... and sums them with fmaf in that order;
  * then a butterfly over the lanes (xor 16, 8, 4, 2, 1), which gives every lane the same bits.
- * One warp per row, 8-byte bf16 and 16-byte fp32 vectors (n % 128 == 0).
+ * One warp per row, 8-byte bf16 and 16-byte fp32 vectors (n % 128 == 0), so that each step of a
+ * row's loop holds one 1x128 block of it across the warp: fp8-block layers quantize dg and du
+ * there (quant_warp_1x128_cvt) from the bf16 values just stored, as the quantizer would read them.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "cuda/backward/backward.h"
+#include "cuda/quant/quantize.cuh"
 #include "common/status.h"
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
@@ -80,8 +83,20 @@ __global__ void __launch_bounds__(SB_THREADS)
       du[j] = __fmul_rn(da, silu);
     }
     a4[c] = sb_pack4(a);
-    dg4[c] = sb_pack4(dg);
-    du4[c] = sb_pack4(du);
+    const uint2 dgb = sb_pack4(dg), dub = sb_pack4(du);
+    dg4[c] = dgb;
+    du4[c] = dub;
+    if (p.dgq) {  // block c / 32 of the row (c = 32 j + lane: the whole warp takes this branch)
+      float v[4], sg, su;
+      sb_load4(dgb, v);
+      ((uint32_t *)p.dgq)[r * n4 + c] = quant_warp_1x128_cvt(v, p.q_kind, &sg);
+      sb_load4(dub, v);
+      ((uint32_t *)p.duq)[r * n4 + c] = quant_warp_1x128_cvt(v, p.q_kind, &su);
+      if (lane == 0) {  // scales [2 n / 128, q_ld]: dg's block c / 32, then du's
+        p.q_scales[(c >> 5) * p.q_ld + r] = sg;
+        p.q_scales[(p.n / 128 + (c >> 5)) * p.q_ld + r] = su;
+      }
+    }
   }
   if (!p.dw_row) return;
 #pragma unroll
@@ -108,6 +123,15 @@ extern "C" mokResult_t mok_bwd_swiglu_launch(const mok_bwd_swiglu_params_t *p, v
     return mok_fail(NULL, MOK_ERROR_INVALID_SHAPE, "SwiGLU backward launch: G = %lld, M = %lld, "
                     "n = %lld (a multiple of 128)", (long long)p->num_groups,
                     (long long)p->m_total, (long long)p->n);
+  if (p->dgq && (!p->duq || !p->q_scales))
+    return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "SwiGLU backward launch: NULL e4m3 buffer");
+  if (p->dgq && (p->q_ld < p->m_total || (p->q_kind != MOK_QUANT_FP32_SCALE &&
+                                           p->q_kind != MOK_QUANT_POW2_SCALE)))
+    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "SwiGLU backward launch: scale stride %lld "
+                    "(>= %lld rows), scale kind %d", (long long)p->q_ld, (long long)p->m_total,
+                    (int)p->q_kind);
+  if (p->dgq && (!sb_aligned(p->dgq, 4) || !sb_aligned(p->duq, 4) || !sb_aligned(p->q_scales, 4)))
+    return mok_fail(NULL, MOK_ERROR_MISALIGNED, "SwiGLU backward launch: misaligned e4m3 buffer");
   if (!sb_aligned(p->g, 8) || !sb_aligned(p->u, 8) || !sb_aligned(p->ds, 16) ||
       !sb_aligned(p->a, 8) || !sb_aligned(p->dg, 8) || !sb_aligned(p->du, 8) ||
       !sb_aligned(p->offsets, 4) || !sb_aligned(p->row_w, 4) || !sb_aligned(p->dw_row, 4))

@@ -175,12 +175,6 @@ __device__ __forceinline__ void quant_bf16x8_to_float(uint4 raw, float (&v)[8]) 
   }
 }
 
-__device__ __forceinline__ uint32_t quant_cvt_e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // hi: upper byte
-  return r;
-}
-
 __global__ void __launch_bounds__(QROW_THREADS)
     quant_rows_kernel(const __grid_constant__ quant_rows_t p) {
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;

@@ -7,6 +7,8 @@
  *   quant_block_value                   q = e4m3(v / s), 0x7F for a non-finite block
  *   quant_e8m0_scale, quant_mx_dequant8 MXFP8 values back to bf16 (q * 2^X)
  *   quant_warp_1x128, quant_warp_1x32   activation blocks held in registers, one warp
+ *   quant_warp_1x128_cvt                the same 1x128 blocks with the hardware conversion (the
+ *                                       rows kernel's and the SwiGLU backward's)
  *   quant_cta_tile128                   a 128x128 tile in shared memory, one CTA of 256 threads:
  *                                       one 128x128 weight block, or any power-of-two block
  *                                       shape that divides the tile (1x128, 1x32, 32x1, ...)
@@ -22,9 +24,10 @@
  * these files with -ftz=true or --use_fast_math: a flushed comparison or conversion added later
  * would silently break the bit-exactness that tests/gpu/test_quantize.cu checks.
  *
- * NOTE (hardware conversion): cvt.rn.satfinite.e4m3x2.f32 is not used. Its NaN result for negative
- * NaN inputs could not be checked against the spec's 0x7F on this build machine (no GPU), so the
- * rounding is written out exactly like the host's; its cost only matters inside GEMM kernels.
+ * NOTE (hardware conversion): the functions above write the rounding out exactly like the host's.
+ * quant_cvt_e4m3x2's cvt.rn.satfinite.e4m3x2.f32 takes only the finite values v / s of a finite
+ * block (a block with a NaN or an infinity is all 0x7F, decided before), on which it rounds as
+ * quant_e4m3_from_float does; tests/gpu/test_quantize.cu checks its bytes against the host's.
  */
 #ifndef MOK_CUDA_QUANTIZE_CUH
 #define MOK_CUDA_QUANTIZE_CUH
@@ -234,6 +237,14 @@ __device__ __forceinline__ quant_block_t quant_warp_blocks(const float (&v)[N],
   return b;
 }
 
+// Two finite fp32 values to e4m3 by the hardware (round to nearest even, subnormals kept,
+// saturating to +-448), lo in the low byte.
+__device__ __forceinline__ uint32_t quant_cvt_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));  // hi: upper byte
+  return r;
+}
+
 // Four e4m3 bytes as one word, element i in byte i (little endian: the order of a 4-byte store).
 __device__ __forceinline__ uint32_t quant_pack4(const uint8_t (&q)[4]) {
   return (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
@@ -246,6 +257,24 @@ __device__ __forceinline__ uint32_t quant_warp_1x128(const float (&v)[4], mok_qu
   uint8_t q[4];
   *blk = quant_warp_blocks<4, 32>(v, kind, q);
   return quant_pack4(q);
+}
+
+// quant_warp_1x128's bytes and block through quant_cvt_e4m3x2 (the cheap conversion, for kernels
+// that quantize on the side of other work): *scale receives the block's scale as stored.
+__device__ __forceinline__ uint32_t quant_warp_1x128_cvt(const float (&v)[4],
+                                                        mok_quant_scale_t kind, float *scale) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 4; i++) m = max(m, quant_abs_bits(v[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  const quant_block_t b = quant_block_make(m, kind);
+  *scale = b.scale;
+  if (b.nan) return 0x7F7F7F7Fu;
+  float w[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) w[i] = b.pow2 ? quant_mul_rn(v[i], b.inv) : quant_div_rn(v[i], b.scale);
+  return quant_cvt_e4m3x2(w[0], w[1]) | quant_cvt_e4m3x2(w[2], w[3]) << 16;
 }
 
 // Four 1x32 blocks per warp (MXFP8 activations: kind MOK_QUANT_E8M0_SCALE; a 128-element chunk of a
