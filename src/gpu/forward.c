@@ -171,10 +171,10 @@ mok_grouped_gemm_params_t mok_gpu_fp8_swiglu_params(mok_layer_t l, const mok_wei
 /* fp8-block: the experts' GEMMs after the e4m3 rows of this call are in place (xq [R, H]: the
  * routed rows in expert order; xqt [T, H]: the call's tokens, for the shared expert; scales K-block
  * major, src/common/workspace.h), for W = 1 and for one rank of an expert-parallel layer (gpu.h):
- *   gate/up    fp8 SwiGLU GEMM: a = bf16(row_w · silu(g) · u) [R, I] (SAVE: g, u -> ctx)
- *   quantize a along I -> aq
+ *   gate/up    fp8 SwiGLU GEMM: aq = e4m3 of a = bf16(row_w · silu(g) · u) [R, I] along I,
+ *              quantized in its epilogue (SAVE: g, u -> ctx)
  *   down       yk [R, H] bf16 = aq · Wdᵀ
- *   shared     SwiGLU GEMM on xqt -> as; quantize -> asq; ys [T, H] fp32 = asq · Wsdᵀ
+ *   shared     SwiGLU GEMM on xqt -> asq (the same); ys [T, H] fp32 = asq · Wsdᵀ
  * Weights come from the caller's mok_quantize_weights buffer (the forward copies). */
 mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t *a,
                                         const mok_fp8_rows_t *c, char *ctx, void *stream) {
@@ -188,10 +188,9 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
   mok_grouped_gemm_params_t gu = mok_gpu_fp8_swiglu_params(
       l, &a->w, 0, T, c->offsets, c->row_w, WS(MOK_WS_A), save ? ctx + lay->ctx[MOK_CTX_G] : NULL,
       save ? ctx + lay->ctx[MOK_CTX_U] : NULL);
+  gu.c = NULL, gu.c_q = WS(MOK_WS_AQ), gu.c_q_scale = (float *)WS(MOK_WS_AQ_S), gu.c_q_ld = R4;
+  gu.c_q_kind = mok_gpu_fp8_kind(l);
   if ((r = mok_gpu_gemm(l, &gu, "mok_forward", "fp8 routed gate/up", stream)) != MOK_SUCCESS)
-    return r;
-  if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_A), R, I, WS(MOK_WS_AQ), WS(MOK_WS_AQ_S), R4,
-                                 c->offsets + E, stream)) != MOK_SUCCESS)
     return r;
   mok_grouped_gemm_params_t dn = mok_gg_fp8_params(MOK_GG_EPI_STORE_BF16, E, R, H, I);
   dn.a = WS(MOK_WS_AQ), dn.a_scale = (const float *)WS(MOK_WS_AQ_S), dn.a_scale_ld = R4;
@@ -204,10 +203,9 @@ mokResult_t mok_gpu_forward_fp8_experts(mok_layer_t l, const mok_forward_args_t 
     mok_grouped_gemm_params_t sgu = mok_gpu_fp8_swiglu_params(
         l, &a->w, 1, T, c->shared_offsets, NULL, WS(MOK_WS_AS),
         save ? ctx + lay->ctx[MOK_CTX_GS] : NULL, save ? ctx + lay->ctx[MOK_CTX_US] : NULL);
+    sgu.c = NULL, sgu.c_q = WS(MOK_WS_ASQ), sgu.c_q_scale = (float *)WS(MOK_WS_ASQ_S);
+    sgu.c_q_ld = T4, sgu.c_q_kind = mok_gpu_fp8_kind(l);
     if ((r = mok_gpu_gemm(l, &sgu, "mok_forward", "fp8 shared gate/up", stream)) != MOK_SUCCESS)
-      return r;
-    if ((r = mok_gpu_quantize_rows(l, WS(MOK_WS_AS), T, Is, WS(MOK_WS_ASQ), WS(MOK_WS_ASQ_S), T4,
-                                   NULL, stream)) != MOK_SUCCESS)
       return r;
     mok_grouped_gemm_params_t sdn = mok_gg_fp8_params(MOK_GG_EPI_STORE_F32, 1, T, H, Is);
     sdn.a = WS(MOK_WS_ASQ), sdn.a_scale = (const float *)WS(MOK_WS_ASQ_S), sdn.a_scale_ld = T4;

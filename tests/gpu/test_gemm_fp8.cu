@@ -3,7 +3,7 @@
  * 128x128 weight scales, promotion every 128 reduction elements) and its MXFP8-B path (bf16 A,
  * e4m3 B with 1x32 E8M0 scales) against fp64 sums on the host; ragged and empty groups, rows
  * outside every group untouched, bitwise run to run, whatever the CTA count and whichever layout
- * the activation scales come in.
+ * the activation scales come in; a quantized in the SwiGLU epilogue bitwise the quantizer's.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gemm_test_util.h"
+#include "cuda/quant/quant.h"
 
 /* ---------------------------------------------------------------------------------------------- */
 /* fp8-block                                                                                       */
@@ -308,6 +309,110 @@ MOK_TEST(gemm_fp8_block_swiglu_matches_cpu) {
   // number of blocks (the mainloop's tail of one)
   check_fp8_swiglu(make_problem(256, 384, {0, 1, 127, 128, 129, 0, 70}, 5, 37));
   check_fp8_swiglu(make_problem(128, 128, {5, 0, 40}, 2, 3));
+}
+
+// Quantized a (c_q): the SwiGLU GEMM's a quantized in its epilogue, in 1x128 blocks over pairs of
+// its 64-column tiles, is bit for bit what mok_quantize_launch makes of the bf16 a the same GEMM
+// stores without c_q (checked against fp64 above), for both scale kinds, on 5 CTAs and on all,
+// with g and u unchanged; rows outside every group keep their poison. Large and small weights give
+// blocks whose scales cover a range of magnitudes.
+static void check_fp8_swiglu_quantized(const problem_t &pr) {
+  const int G = pr.G, M = pr.M, N = pr.N, K = pr.K, KB = K / 128, NB = N / 128;
+  fp8_operand A((size_t)M * K, 0), Bg((size_t)G * N * K, (size_t)G * NB * KB),
+      Bu((size_t)G * N * K, (size_t)G * NB * KB);
+  const int ld = (M + 3) / 4 * 4 + 4;
+  std::vector<float> sa_t((size_t)KB * ld), w(M);
+  for (auto &v : sa_t) v = ldexp(1.0f + 0.5f * rnd_unit(), -9 - (int)(test_rng_u32(&g_rng) % 6));
+  for (auto &v : w) v = 0.25f + 0.75f * fabsf(rnd_unit());
+  std::vector<int32_t> offs32(pr.offs.begin(), pr.offs.end());
+  uint8_t *da = to_dev(A.q), *dbg = to_dev(Bg.q), *dbu = to_dev(Bu.q);
+  float *dsa = to_dev(sa_t), *dsg = to_dev(Bg.s), *dsu = to_dev(Bu.s), *dw = to_dev(w);
+  int32_t *doffs = to_dev(offs32);
+  const size_t cbytes = (size_t)M * N * 2, qbytes = (size_t)M * N, sbytes = (size_t)NB * ld * 4;
+  uint16_t *dc = NULL, *dg = NULL, *du = NULL;
+  uint8_t *dq = NULL, *dref = NULL;
+  float *dqs = NULL, *drefs = NULL;
+  cudaMalloc(&dc, cbytes);
+  cudaMalloc(&dg, cbytes);
+  cudaMalloc(&du, cbytes);
+  cudaMalloc(&dq, qbytes);
+  cudaMalloc(&dref, qbytes);
+  cudaMalloc(&dqs, sbytes);
+  cudaMalloc(&drefs, sbytes);
+  MOK_REQUIRE(da && dbg && dbu && dsa && dsg && dsu && dw && doffs && dc && dg && du && dq &&
+              dref && dqs && drefs);
+  mok_grouped_gemm_params_t p =
+      gemm_params(MOK_GG_FP8_BLOCK, MOK_GG_EPI_SWIGLU, G, M, N, K, da, dbg, doffs, dc);
+  p.b2 = dbu, p.a_scale = dsa, p.a_scale_ld = ld, p.b_scale = dsg, p.b2_scale = dsu;
+  p.row_scale = dw, p.g_out = dg, p.u_out = du;
+  cudaMemset(dc, 0xFF, cbytes);
+  MOK_REQUIRE(mok_grouped_gemm_launch(&p, NULL) == MOK_SUCCESS);
+  MOK_REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  std::vector<uint16_t> g0((size_t)M * N), u0((size_t)M * N), g1((size_t)M * N), u1((size_t)M * N);
+  cudaMemcpy(g0.data(), dg, cbytes, cudaMemcpyDeviceToHost);
+  cudaMemcpy(u0.data(), du, cbytes, cudaMemcpyDeviceToHost);
+  const mok_quant_scale_t kinds[2] = {MOK_QUANT_FP32_SCALE, MOK_QUANT_POW2_SCALE};
+  for (int v = 0; v < 4; v++) {
+    const mok_quant_scale_t kind = kinds[v % 2];
+    mok_quantize_params_t qp;  // the quantizer on the bf16 a
+    memset(&qp, 0, sizeof(qp));
+    qp.in = dc, qp.count = 1, qp.rows = M, qp.cols = N, qp.block_rows = 1, qp.block_cols = 128;
+    qp.kind = kind, qp.q = dref, qp.scales = drefs, qp.scales_ld = ld;
+    MOK_REQUIRE_MSG(mok_quantize_launch(&qp, NULL) == MOK_SUCCESS, "%s", mok_last_error());
+    mok_grouped_gemm_params_t q = p;
+    q.c = NULL, q.c_q = dq, q.c_q_scale = dqs, q.c_q_ld = ld, q.c_q_kind = kind;
+    q.num_sms = v < 2 ? 5 : 0;
+    cudaMemset(dq, 0x5A, qbytes);
+    cudaMemset(dqs, 0x5A, sbytes);
+    cudaMemset(dg, 0xFF, cbytes);
+    cudaMemset(du, 0xFF, cbytes);
+    const mokResult_t res = mok_grouped_gemm_launch(&q, NULL);
+    const cudaError_t err = cudaDeviceSynchronize();
+    MOK_REQUIRE_MSG(res == MOK_SUCCESS && err == cudaSuccess, "quantized a (variant %d): launch "
+                    "%d, cuda %s", v, (int)res, cudaGetErrorString(err));
+    std::vector<uint8_t> got((size_t)M * N), want((size_t)M * N);
+    std::vector<float> got_s((size_t)NB * ld), want_s((size_t)NB * ld);
+    cudaMemcpy(got.data(), dq, qbytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(want.data(), dref, qbytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(got_s.data(), dqs, sbytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(want_s.data(), drefs, sbytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(g1.data(), dg, cbytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(u1.data(), du, cbytes, cudaMemcpyDeviceToHost);
+    MOK_EXPECT_MSG(g1 == g0 && u1 == u0, "quantized a (variant %d): g or u differ", v);
+    int64_t bad = 0, kept = 0;
+    for (int r = 0; r < M; r++) {
+      const bool in = group_of_row(pr, r) >= 0;
+      for (int n = 0; n < N; n++) {
+        const size_t i = (size_t)r * N + n;
+        if (in) bad += got[i] != want[i];
+        else kept += got[i] != 0x5A;
+      }
+      for (int b = 0; b < NB; b++) {
+        uint32_t gb, wb;
+        memcpy(&gb, &got_s[(size_t)b * ld + r], 4);
+        memcpy(&wb, &want_s[(size_t)b * ld + r], 4);
+        if (in) bad += gb != wb;
+        else kept += gb != 0x5A5A5A5Au;
+      }
+    }
+    MOK_EXPECT_MSG(bad == 0, "quantized a (variant %d): %lld bytes or scales differ from the "
+                   "quantizer's", v, (long long)bad);
+    MOK_EXPECT_MSG(kept == 0, "quantized a (variant %d): %lld written outside the groups", v,
+                   (long long)kept);
+  }
+  mok_grouped_gemm_params_t bad_p = p;  // misuse
+  bad_p.c_q = dq, bad_p.c_q_scale = dqs, bad_p.c_q_ld = M - 1;
+  MOK_EXPECT(mok_grouped_gemm_launch(&bad_p, NULL) == MOK_ERROR_INVALID_SHAPE);
+  bad_p.c_q_ld = ld, bad_p.a_scale_ld = 0; // quantized a needs K-block-major scales
+  MOK_EXPECT(mok_grouped_gemm_launch(&bad_p, NULL) == MOK_ERROR_INVALID_VALUE);
+  void *bufs[] = {da, dbg, dbu, dsa, dsg, dsu, dw, doffs, dc, dg, du, dq, dref, dqs, drefs};
+  for (void *b : bufs) cudaFree(b);
+}
+
+MOK_TEST(gemm_fp8_block_swiglu_quantized_a_equals_quantizer) {
+  if (!test_gpu_present()) MOK_SKIP("no CUDA device");
+  check_fp8_swiglu_quantized(make_problem(256, 384, {0, 1, 127, 128, 129, 0, 70}, 5, 37));
+  check_fp8_swiglu_quantized(make_problem(128, 128, {5, 0, 40}, 2, 3));
 }
 
 // A second segment: acc = A·B + A2·B2 with K-block-major activation scales over both. Bitwise the

@@ -96,6 +96,13 @@ typedef struct {
                                 [G N, K2 / 32] */
   int group_m;               /* row tiles per band of the tile order: 0 = by B's size against
                                 the L2 (mok_tile_group_m; the default), -1 = none, n > 0 = n */
+  void *c_q;                 /* fp8-block SwiGLU, optional: a quantized instead of stored, e4m3
+                                [m_total, N] in 1x128 blocks along N, bit for bit
+                                mok_quantize_launch's of the bf16 a (c is then not written and
+                                may be NULL); 16-byte aligned; needs K-block-major a_scale */
+  float *c_q_scale;          /* with c_q: the blocks' scales, K-block major [N/128, c_q_ld] */
+  int64_t c_q_ld;            /* with c_q: >= m_total */
+  mok_quant_scale_t c_q_kind; /* with c_q: MOK_QUANT_FP32_SCALE or MOK_QUANT_POW2_SCALE */
 } mok_grouped_gemm_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,

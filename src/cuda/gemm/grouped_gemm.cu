@@ -33,6 +33,7 @@
 #include "cuda/tile/pipeline.cuh"
 #include "cuda/tile/scheduler.cuh"
 #include "cuda/ptx/tma.cuh"
+#include "cuda/quant/quantize.cuh"
 
 enum { GG_BM = 128, GG_BN = 256, GG_BK_BF16 = 64 };
 
@@ -85,6 +86,10 @@ typedef struct {
   const uint8_t *b2_e8m0;  // MXFP8 B: up's [G N, K/32] (SwiGLU) or B2's [G N, K2/32]
   int64_t b_rows;          // MXFP8 B: G N, the rows of B (and B2)
   int kq1, kq2;            // MXFP8 B: scale bytes per row of B (K/32) and of B2 (K2/32)
+  uint8_t *c_q;            // fp8-block SwiGLU, quantized a: [M_total, N] e4m3 (c not written)
+  float *c_q_scale;        // its 1x128 blocks' scales, [N/128, c_q_ld]
+  int64_t c_q_ld;
+  mok_quant_scale_t c_q_kind;
 } gg_kernel_params_t;
 
 // How the consumers learn their tiles: the producer thread walks the order (gg_sched_next) and
@@ -307,7 +312,17 @@ static int gg_aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
 static mokResult_t gg_validate(const mok_grouped_gemm_params_t *p) {
   if (!p) return MOK_ERROR_NULL_POINTER;
-  if (!p->a || !p->b || !p->c || !p->offsets) return MOK_ERROR_NULL_POINTER;
+  if (!p->a || !p->b || (!p->c && !p->c_q) || !p->offsets) return MOK_ERROR_NULL_POINTER;
+  if (p->c_q) {  // quantized a: fp8-block SwiGLU with its activation scales K-block major
+    if (p->dtype != MOK_GG_FP8_BLOCK || p->epilogue != MOK_GG_EPI_SWIGLU)
+      return MOK_ERROR_NOT_IMPLEMENTED;
+    if (!p->c_q_scale) return MOK_ERROR_NULL_POINTER;
+    if (p->a_scale_ld == 0 || (p->c_q_kind != MOK_QUANT_FP32_SCALE &&
+                               p->c_q_kind != MOK_QUANT_POW2_SCALE))
+      return MOK_ERROR_INVALID_VALUE;
+    if (p->c_q_ld < p->m_total) return MOK_ERROR_INVALID_SHAPE;
+    if (!gg_aligned16(p->c_q) || ((uintptr_t)p->c_q_scale & 3u)) return MOK_ERROR_MISALIGNED;
+  }
   if (p->dtype != MOK_GG_BF16 && p->dtype != MOK_GG_FP8_BLOCK && p->dtype != MOK_GG_MXFP8_B)
     return MOK_ERROR_INVALID_VALUE;
   if (p->b_layout != MOK_GG_B_KMAJOR && p->b_layout != MOK_GG_B_NMAJOR)
@@ -443,6 +458,11 @@ extern "C" mokResult_t mok_grouped_gemm_launch(const mok_grouped_gemm_params_t *
     kp.k_split = (int)(p->k / GG8_BK);
     kp.k_blocks = kp.k_split + (int)(p->k2 / GG8_BK);
     kp.bn_out = swiglu ? 64 : GG8_BN;  // SwiGLU: 64 gate and 64 up rows per B tile
+    if (p->c_q) {  // quantized a: pairs of SwiGLU tiles, 128 output columns (a scale block)
+      kp.bn_out = 128;
+      kp.c_q = (uint8_t *)p->c_q, kp.c_q_scale = p->c_q_scale, kp.c_q_ld = p->c_q_ld;
+      kp.c_q_kind = p->c_q_kind;
+    }
     kp.n_tiles = (int)(p->n / kp.bn_out);
     gg8_maps_t m;
     const uint64_t rows_b = (uint64_t)(p->num_groups * p->n);
@@ -535,6 +555,7 @@ extern "C" mokResult_t mok_gg_preload(void) {
       cudaFuncGetAttributes(&a, gg_bf16_kernel<MOK_GG_EPI_ACCUM_F32, 1>),
       // the fp8-block layers' (K-block-major activation scales)
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_SWIGLU, 5, 1, TP_FP8_B_HALVES>),
+      cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_SWIGLU, 5, 1, TP_FP8_B_HALVES, 1>),
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_BF16, 5, 1, TP_FP8_B_ONE>),
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_F32, 5, 1, TP_FP8_B_ONE>),
       cudaFuncGetAttributes(&a, gg_fp8_kernel<MOK_GG_EPI_STORE_BF16, 5, 1, TP_FP8_B_SEGMENTS>),

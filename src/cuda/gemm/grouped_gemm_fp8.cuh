@@ -18,6 +18,12 @@
  * stage (one more TMA box per stage), so the consumers read them there; row-major ones are read
  * by the consumers from global memory, one block ahead.
  *
+ * Quantized a (QA, SwiGLU): c_q = e4m3(a) in 1x128 blocks, bit for bit what the quantizer makes
+ * of the bf16 a, with no bf16 a in memory. A block spans 128 output columns, two of the tiles
+ * above: a QA tile is such a pair, run back to back by one CTA (2 k_blocks stages, the second
+ * half's B rows 64 further), the first half's bf16 a kept in shared memory until the second's
+ * epilogue has the block's amax (gg8_store_swiglu_q).
+ *
  * Same CTA shape as the bf16 kernel (1 producer + 2 consumer warpgroups, persistent, tiles from
  * tile/scheduler.cuh), with 128 x 128 tiles: the promotion keeps the stage's partial sums apart
  * from the fp32 total, in two sets so that the next stage's wgmmas run while one is promoted
@@ -30,14 +36,19 @@
 enum { GG8_BM = 128, GG8_BN = 128, GG8_BK = 128, GG8_STAGES = 6, GG8_C_BYTES = 2 * 64 * 128 * 2 };
 
 // Shared memory of an fp8 kernel with STAGES stages: the ring plan P, then (SMEM_A) a slot of
-// activation scales per stage, 128-byte aligned for TMA, after the plan's tags.
-template <int EPI, int STAGES, int SMEM_A>
+// activation scales per stage, 128-byte aligned for TMA, after the plan's tags, then (QA) the
+// first halves' bf16 a of both consumer warpgroups (16 words per thread).
+enum { GG8_STASH_BYTES = 2 * 128 * 16 * 4 };
+template <int EPI, int STAGES, int SMEM_A, int QA = 0>
 struct gg8_plan {
   typedef tp_plan<GG8_BM, GG8_BN, STAGES, EPI == MOK_GG_EPI_STORE_BF16 ? GG8_C_BYTES : 0> P;
   static constexpr int SLOTS_OFFSET = (P::TAGS_OFFSET + P::TAGS_BYTES + 127) / 128 * 128;
+  static constexpr int STASH_OFFSET = SLOTS_OFFSET + STAGES * MOK_TP_FP8_SLOT_BYTES;
   static constexpr int BYTES =
-      SMEM_A ? P::ALLOC_BYTES + (SLOTS_OFFSET - P::BYTES) + STAGES * MOK_TP_FP8_SLOT_BYTES
-             : P::ALLOC_BYTES + P::TAGS_BYTES;
+      (SMEM_A ? P::ALLOC_BYTES + (SLOTS_OFFSET - P::BYTES) + STAGES * MOK_TP_FP8_SLOT_BYTES
+              : P::ALLOC_BYTES + P::TAGS_BYTES) +
+      (QA ? GG8_STASH_BYTES : 0);
+  static_assert(!QA || SMEM_A, "the stash follows the slots");
   static_assert(BYTES <= 227 * 1024, "over the 227 KB of shared memory of an sm_90 CTA");
 };
 // Register split: the consumers hold two `part` sets and the fp32 total (192 registers) in the
@@ -109,10 +120,83 @@ __device__ __forceinline__ void gg8_produce_tile(tp_ring_t *ring, uint8_t *smem,
   }
 }
 
+// QA, half 1 (gg8_store_swiglu_q): half 0's a pairs back from the stash beside this half's, the
+// block's scale per row from the four lanes' amax, the e4m3 byte pairs and the scale out.
+__device__ __forceinline__ void gg8_quantize_a_pairs(uint32_t (&a)[2][16], const uint32_t *stash,
+                                                     const gg_kernel_params_t &p,
+                                                     epi_coords_t e) {
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    a[0][j] = stash[128 * j];
+    a[1][j] = stash[128 * (8 + j)];
+  }
+  const int64_t col0 = e.col - 64;  // this thread's first column of the block
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int64_t row = e.row + 8 * h;
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+      m = max(m, max(quant_abs_bits(__uint_as_float(a[h][i] << 16)),
+                     quant_abs_bits(__uint_as_float(a[h][i] & 0xFFFF0000u))));
+    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+    const quant_block_t b = quant_block_make(m, p.c_q_kind);
+    if (row >= e.row_end) continue;
+    uint16_t *q = (uint16_t *)(p.c_q + row * e.ldc + col0);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {  // word i: columns col0 + 8 i (+ 1), i >= 8 in half 1
+      const float lo = __uint_as_float(a[h][i] << 16), hi = __uint_as_float(a[h][i] & 0xFFFF0000u);
+      uint32_t v = 0x7F7Fu;
+      if (!b.nan)
+        v = b.pow2 ? quant_cvt_e4m3x2(quant_mul_rn(lo, b.inv), quant_mul_rn(hi, b.inv))
+                   : quant_cvt_e4m3x2(quant_div_rn(lo, b.scale), quant_div_rn(hi, b.scale));
+      q[4 * i] = (uint16_t)v;
+    }
+    if ((threadIdx.x & 3) == 0) p.c_q_scale[(col0 / 128) * p.c_q_ld + row] = b.scale;
+  }
+}
+
+// QA, consumer warpgroup thread: the SwiGLU epilogue of half H of a paired tile (acc: its [64
+// rows, 64 g + 64 u] fragment; e: the half's coordinates). This thread's a of its two rows are 8
+// bf16 pairs each per half (columns e.col + 8 j, + 1), computed as epi_store_swiglu computes them;
+// g and u go out as there. Half 0 leaves its a pairs in `stash` (word i at stash[128 i], this
+// thread's column); half 1 takes them back, and the four lanes of a row (lanes 4 q .. 4 q + 3)
+// find the 128-column block's amax, make its scale (quant_block_make, the layer's kind) and
+// convert the bf16 values exactly as the quantizer converts them (quant_warp_1x128_cvt's
+// arithmetic): e4m3 byte pairs to c_q, the scale to c_q_scale by the row's first lane.
+template <int H>
+__device__ __forceinline__ void gg8_store_swiglu_q(const float (&acc)[64],
+                                                   const gg_kernel_params_t &p, float2 w,
+                                                   epi_coords_t e, uint32_t *stash) {
+  epi_store_swiglu<64>(acc, NULL, (__nv_bfloat16 *)p.g_out, (__nv_bfloat16 *)p.u_out, w, e);
+  uint32_t a[2][16];  // [row, row + 8][word]: half 0's words 0-7, half 1's 8-15
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const int ju = j + 8;
+    const __nv_bfloat162 v0 = epi_swiglu_a2(w.x, acc[4 * j], acc[4 * j + 1], acc[4 * ju],
+                                            acc[4 * ju + 1]);
+    const __nv_bfloat162 v1 = epi_swiglu_a2(w.y, acc[4 * j + 2], acc[4 * j + 3], acc[4 * ju + 2],
+                                            acc[4 * ju + 3]);
+    a[0][8 * H + j] = *(const uint32_t *)&v0;
+    a[1][8 * H + j] = *(const uint32_t *)&v1;
+  }
+  if (H == 0) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      stash[128 * j] = a[0][j];
+      stash[128 * (8 + j)] = a[1][j];
+    }
+  } else {
+    gg8_quantize_a_pairs(a, stash, p, e);
+  }
+}
+
 // STAGES: ring depth; SMEM_A: activation scales [K/128, ld] through shared memory (above), else
 // [M_total, K/128] read from global memory by the consumers; BMODE: tile/pipeline.cuh's B scale
-// modes (TP_FP8_B_HALVES with the SwiGLU epilogue, TP_FP8_B_SEGMENTS with a second segment).
-template <int EPI, int STAGES, int SMEM_A, int BMODE>
+// modes (TP_FP8_B_HALVES with the SwiGLU epilogue, TP_FP8_B_SEGMENTS with a second segment);
+// QA: paired SwiGLU tiles with quantized a (above).
+template <int EPI, int STAGES, int SMEM_A, int BMODE, int QA = 0>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     gg_fp8_kernel(const __grid_constant__ gg_kernel_params_t p,
                   const __grid_constant__ CUtensorMap tm_a,   // A [M_total, K] e4m3, box [128, 128]
@@ -128,9 +212,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
   constexpr int STAGED = EPI == MOK_GG_EPI_STORE_BF16;
   constexpr int C_BYTES = STAGED ? GG8_C_BYTES : 0;
   constexpr int HALVES = BMODE == TP_FP8_B_HALVES;
-  typedef gg8_plan<EPI, STAGES, SMEM_A> Q;
+  typedef gg8_plan<EPI, STAGES, SMEM_A, QA> Q;
   typedef typename Q::P P;
   static_assert((EPI == MOK_GG_EPI_SWIGLU) == HALVES, "SwiGLU tiles hold gate and up halves");
+  static_assert(!QA || HALVES, "quantized a: SwiGLU");
   static_assert(BMODE != TP_FP8_B_SEGMENTS || SMEM_A, "two segments: scales in one K-major array");
   extern __shared__ uint8_t smem_raw[];
   uint64_t *full, *empty;
@@ -161,6 +246,10 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
           gg8_produce_tile<STAGES, C_BYTES, HALVES>(&ring, smem, full, empty, &tm_a, &tm_a2,
                                                     tile.row0, &tm_b, &tm_b2, b_row, p.k_blocks,
                                                     p.k_split, gg_tag(tile), sl);
+          if (QA)  // the second half: the next 64 columns, the same A (its stages tag nothing)
+            gg8_produce_tile<STAGES, C_BYTES, HALVES>(&ring, smem, full, empty, &tm_a, &tm_a2,
+                                                      tile.row0, &tm_b, &tm_b2, b_row + 64,
+                                                      p.k_blocks, p.k_split, gg_tag(tile), sl);
         } else {
           gg8_produce_tile<STAGES, C_BYTES, HALVES>(&ring, smem, full, empty, &tm_a, &tm_a2,
                                                     tile.row0, &tm_b, &tm_b2, b_row, p.k_blocks,
@@ -176,6 +265,8 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     float total[64];  // [64, 128] fragment of this warpgroup
     const int4 *tags = gg_tags<P>(smem_raw, smem);
     while (gg_peek(&ring, full, tags, &tile)) {
+#pragma unroll
+     for (int h = 0; h < (QA ? 2 : 1); h++) {  // QA: the tile's two halves, back to back
       // scale rows of this thread's two accumulator rows, clamped into the tensor (rows past the
       // group's end are computed but never stored)
       {
@@ -198,10 +289,14 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       }
       // Everything else of the epilogue is computed after the mainloop, whose two `part` sets
       // leave little room.
-      const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw);
+      const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0 + 64 * h, p.n, p.n, cw);
       const int wg_row0 = tile.row0 + 64 * cw;
       uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
-      if (HALVES) {
+      if (QA) {
+        uint32_t *stash = (uint32_t *)(smem + Q::STASH_OFFSET) + cw * (GG8_STASH_BYTES / 8) + lt;
+        if (h == 0) gg8_store_swiglu_q<0>(total, p, epi_row_scales(p.row_scale, e), e, stash);
+        else gg8_store_swiglu_q<1>(total, p, epi_row_scales(p.row_scale, e), e, stash);
+      } else if (HALVES) {
         epi_store_swiglu<64>(total, (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.g_out,
                              (__nv_bfloat16 *)p.u_out, epi_row_scales(p.row_scale, e), e);
       } else if (STAGED && wg_row0 + 64 <= tile.row_end) {
@@ -214,6 +309,7 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
       } else {
         epi_store_f32<64, true>(total, (float *)p.c, e);
       }
+     }
     }
     if (STAGED && lt == 0) ptx_bulk_wait_group_all();
   }
@@ -225,14 +321,14 @@ typedef struct {
   CUtensorMap a, b, c, s, a2, b2;
 } gg8_maps_t;
 
-template <int EPI, int STAGES, int SMEM_A, int BMODE>
+template <int EPI, int STAGES, int SMEM_A, int BMODE, int QA = 0>
 static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const gg8_maps_t *m, int grid,
                                  cudaStream_t stream) {
-  const int bytes = gg8_plan<EPI, STAGES, SMEM_A>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE>,
+  const int bytes = gg8_plan<EPI, STAGES, SMEM_A, QA>::BYTES;
+  cudaError_t err = cudaFuncSetAttribute(gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE, QA>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
-  gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE><<<grid, MOK_TP_THREADS, bytes, stream>>>(
+  gg_fp8_kernel<EPI, STAGES, SMEM_A, BMODE, QA><<<grid, MOK_TP_THREADS, bytes, stream>>>(
       *kp, m->a, m->b, m->c, m->s, m->a2, m->b2);
   return cudaGetLastError();
 }
@@ -240,11 +336,15 @@ static cudaError_t gg_launch_fp8(const gg_kernel_params_t *kp, const gg8_maps_t 
 // The fp8 configurations: activation scales [K/128, ld] through shared memory (5 stages: with 6
 // the slots do not fit beside the output staging), or [M_total, K/128] from global memory with 6
 // stages. The first measured 0-4% faster at every benchmark shape (docs/performance.md, "fp8-block GEMM: activation scales").
-// A second segment needs the first (its scales are one K-block-major array).
+// A second segment needs the first (its scales are one K-block-major array); so does quantized a
+// (SwiGLU; validated).
 template <int EPI>
 static cudaError_t gg_launch_fp8_config(const gg_kernel_params_t *kp, const gg8_maps_t *m,
                                         int smem_a, int segments, int grid, cudaStream_t stream) {
   constexpr int ONE = EPI == MOK_GG_EPI_SWIGLU ? TP_FP8_B_HALVES : TP_FP8_B_ONE;
+  if constexpr (EPI == MOK_GG_EPI_SWIGLU) {
+    if (kp->c_q) return gg_launch_fp8<EPI, 5, 1, ONE, 1>(kp, m, grid, stream);
+  }
   if constexpr (EPI == MOK_GG_EPI_STORE_BF16 || EPI == MOK_GG_EPI_STORE_F32) {
     if (segments) return gg_launch_fp8<EPI, 5, 1, TP_FP8_B_SEGMENTS>(kp, m, grid, stream);
   }

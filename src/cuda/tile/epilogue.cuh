@@ -110,9 +110,16 @@ __device__ __forceinline__ void epi_store_f32(const float (&acc)[NACC], float *c
   }
 }
 
+// a = bf16(w · silu(g) · u) of two adjacent columns, lo in the low half: every SwiGLU epilogue's.
+__device__ __forceinline__ __nv_bfloat162 epi_swiglu_a2(float w, float g0, float g1, float u0,
+                                                        float u1) {
+  return __floats2bfloat162_rn(w * epi_silu(g0) * u0, w * epi_silu(g1) * u1);
+}
+
 // SwiGLU (docs/design.md, "The layer"): the accumulator holds g in columns [0, N/2) and u in
-// [N/2, N) of the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u, plus
-// optional bf16 g and u. w: this thread's router weights (epi_row_scales).
+// [N/2, N) of the same output columns; a = bf16(w_row · silu(g) · u) with fp32 g and u (a_out:
+// NULL when the caller stores a itself), plus optional bf16 g and u. w: this thread's router
+// weights (epi_row_scales).
 template <int NACC>
 __device__ __forceinline__ void epi_store_swiglu(const float (&acc)[NACC], __nv_bfloat16 *a_out,
                                                  __nv_bfloat16 *g_out, __nv_bfloat16 *u_out,
@@ -130,14 +137,12 @@ __device__ __forceinline__ void epi_store_swiglu(const float (&acc)[NACC], __nv_
       const float u00 = acc[4 * ju], u01 = acc[4 * ju + 1], u10 = acc[4 * ju + 2],
                   u11 = acc[4 * ju + 3];
       if (r0) {
-        *(__nv_bfloat162 *)(a_out + o0 + col) = __floats2bfloat162_rn(
-            w0 * epi_silu(g00) * u00, w0 * epi_silu(g01) * u01);
+        if (a_out) *(__nv_bfloat162 *)(a_out + o0 + col) = epi_swiglu_a2(w0, g00, g01, u00, u01);
         if (g_out) *(__nv_bfloat162 *)(g_out + o0 + col) = __floats2bfloat162_rn(g00, g01);
         if (u_out) *(__nv_bfloat162 *)(u_out + o0 + col) = __floats2bfloat162_rn(u00, u01);
       }
       if (r1) {
-        *(__nv_bfloat162 *)(a_out + o1 + col) = __floats2bfloat162_rn(
-            w1 * epi_silu(g10) * u10, w1 * epi_silu(g11) * u11);
+        if (a_out) *(__nv_bfloat162 *)(a_out + o1 + col) = epi_swiglu_a2(w1, g10, g11, u10, u11);
         if (g_out) *(__nv_bfloat162 *)(g_out + o1 + col) = __floats2bfloat162_rn(g10, g11);
         if (u_out) *(__nv_bfloat162 *)(u_out + o1 + col) = __floats2bfloat162_rn(u10, u11);
       }
