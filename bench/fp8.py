@@ -80,7 +80,8 @@ def run_case(model, args, gen):
     row = {"bench": "fp8", "case": f"{model}/T{T}", "device": torch.cuda.get_device_name(dev),
            "precision": args.precision, "commit": git_commit(args.commit),
            "torch": torch.__version__, "rel_err_vs_bf16": err,
-           "mok_path": ("fp8: quantize x + fp8 gather + e4m3 grouped GEMMs (kernel chain); "
+           "mok_path": ("fp8: quantize x + fp8 gather + e4m3 grouped GEMMs, a quantized in the SwiGLU "
+                        "epilogue (kernel chain); "
                         if args.precision == "fp8-block" else
                         "mxfp8: quantize-dequantize x, gather, bf16 grouped GEMMs on e4m3 weights "
                         "dequantized in shared memory (kernel chain); ") +
