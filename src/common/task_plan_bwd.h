@@ -1,6 +1,8 @@
 /*
- * task_plan_bwd.h: the global task order of the fused backward kernel (not built yet: the backward
- * is a kernel chain today, src/gpu/backward.c) and the counters and targets its tasks wait on.
+ * task_plan_bwd.h: the global task order of the fused backward kernel and the counters and targets
+ * its tasks wait on. The kernel that exists (src/cuda/backward/fused.cu) runs its DX, DW and
+ * REDUCE_DX tasks after the chain's prologue (src/gpu/backward.c); the GATE_UP, DS and shared
+ * tasks are planned here, not yet in a kernel.
  * Plain C for host and device, like the forward's src/common/task_plan.h;
  * tests/test_task_plan_bwd.c checks it by simulation before any kernel depends on it.
  *
