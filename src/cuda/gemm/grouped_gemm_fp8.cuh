@@ -145,14 +145,9 @@ __device__ __forceinline__ void gg8_quantize_a_pairs(uint32_t (&a)[2][16], const
     if (row >= e.row_end) continue;
     uint16_t *q = (uint16_t *)(p.c_q + row * e.ldc + col0);
 #pragma unroll
-    for (int i = 0; i < 16; i++) {  // word i: columns col0 + 8 i (+ 1), i >= 8 in half 1
-      const float lo = __uint_as_float(a[h][i] << 16), hi = __uint_as_float(a[h][i] & 0xFFFF0000u);
-      uint32_t v = 0x7F7Fu;
-      if (!b.nan)
-        v = b.pow2 ? quant_cvt_e4m3x2(quant_mul_rn(lo, b.inv), quant_mul_rn(hi, b.inv))
-                   : quant_cvt_e4m3x2(quant_div_rn(lo, b.scale), quant_div_rn(hi, b.scale));
-      q[4 * i] = (uint16_t)v;
-    }
+    for (int i = 0; i < 16; i++)  // word i: columns col0 + 8 i (+ 1), i >= 8 in half 1
+      q[4 * i] = (uint16_t)quant_block_e4m3x2(b, __uint_as_float(a[h][i] << 16),
+                                               __uint_as_float(a[h][i] & 0xFFFF0000u));
     if ((threadIdx.x & 3) == 0) p.c_q_scale[(col0 / 128) * p.c_q_ld + row] = b.scale;
   }
 }
@@ -163,8 +158,8 @@ __device__ __forceinline__ void gg8_quantize_a_pairs(uint32_t (&a)[2][16], const
 // g and u go out as there. Half 0 leaves its a pairs in `stash` (word i at stash[128 i], this
 // thread's column); half 1 takes them back, and the four lanes of a row (lanes 4 q .. 4 q + 3)
 // find the 128-column block's amax, make its scale (quant_block_make, the layer's kind) and
-// convert the bf16 values exactly as the quantizer converts them (quant_warp_1x128_cvt's
-// arithmetic): e4m3 byte pairs to c_q, the scale to c_q_scale by the row's first lane.
+// convert the bf16 values exactly as the quantizer converts them (quant_block_e4m3x2): e4m3 byte
+// pairs to c_q, the scale to c_q_scale by the row's first lane.
 template <int H>
 __device__ __forceinline__ void gg8_store_swiglu_q(const float (&acc)[64],
                                                    const gg_kernel_params_t &p, float2 w,

@@ -194,15 +194,9 @@ __global__ void __launch_bounds__(QROW_THREADS)
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     const quant_block_t b = quant_block_make(m, p.kind);
-    uint2 out = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
-    if (!b.nan) {
-      float w[8];
-#pragma unroll
-      for (int i = 0; i < 8; i++)
-        w[i] = b.pow2 ? quant_mul_rn(v[i], b.inv) : quant_div_rn(v[i], b.scale);
-      out.x = quant_cvt_e4m3x2(w[0], w[1]) | quant_cvt_e4m3x2(w[2], w[3]) << 16;
-      out.y = quant_cvt_e4m3x2(w[4], w[5]) | quant_cvt_e4m3x2(w[6], w[7]) << 16;
-    }
+    uint2 out;
+    out.x = quant_block_e4m3x2(b, v[0], v[1]) | quant_block_e4m3x2(b, v[2], v[3]) << 16;
+    out.y = quant_block_e4m3x2(b, v[4], v[5]) | quant_block_e4m3x2(b, v[6], v[7]) << 16;
     if (live) {
       p.q[at] = out;
       if (lane % 16 == 0) p.scales[p.ld ? c * p.ld + row : row * p.kb + c] = b.scale;

@@ -245,6 +245,16 @@ __device__ __forceinline__ uint32_t quant_cvt_e4m3x2(float lo, float hi) {
   return r;
 }
 
+// Two values of block b (quant_block_make) as e4m3 bytes by quant_cvt_e4m3x2, lo in the low byte:
+// v / s, or v · 2^-X for power-of-two scales; 0x7F7F for a non-finite block. The quantizers that
+// use the hardware conversion share it (the rows kernel, quant_warp_1x128_cvt, the fp8 SwiGLU
+// GEMM's quantized a).
+__device__ __forceinline__ uint32_t quant_block_e4m3x2(const quant_block_t &b, float lo, float hi) {
+  if (b.nan) return 0x7F7Fu;
+  return b.pow2 ? quant_cvt_e4m3x2(quant_mul_rn(lo, b.inv), quant_mul_rn(hi, b.inv))
+                : quant_cvt_e4m3x2(quant_div_rn(lo, b.scale), quant_div_rn(hi, b.scale));
+}
+
 // Four e4m3 bytes as one word, element i in byte i (little endian: the order of a 4-byte store).
 __device__ __forceinline__ uint32_t quant_pack4(const uint8_t (&q)[4]) {
   return (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
@@ -270,11 +280,7 @@ __device__ __forceinline__ uint32_t quant_warp_1x128_cvt(const float (&v)[4],
   for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
   const quant_block_t b = quant_block_make(m, kind);
   *scale = b.scale;
-  if (b.nan) return 0x7F7F7F7Fu;
-  float w[4];
-#pragma unroll
-  for (int i = 0; i < 4; i++) w[i] = b.pow2 ? quant_mul_rn(v[i], b.inv) : quant_div_rn(v[i], b.scale);
-  return quant_cvt_e4m3x2(w[0], w[1]) | quant_cvt_e4m3x2(w[2], w[3]) << 16;
+  return quant_block_e4m3x2(b, v[0], v[1]) | quant_block_e4m3x2(b, v[2], v[3]) << 16;
 }
 
 // Four 1x32 blocks per warp (MXFP8 activations: kind MOK_QUANT_E8M0_SCALE; a 128-element chunk of a
