@@ -8,7 +8,9 @@
  *   quant_e8m0_scale, quant_mx_dequant8 MXFP8 values back to bf16 (q * 2^X)
  *   quant_warp_1x128, quant_warp_1x32   activation blocks held in registers, one warp
  *   quant_warp_1x128_cvt                the same 1x128 blocks with the hardware conversion (the
- *                                       rows kernel's and the SwiGLU backward's)
+ *                                       SwiGLU backward's)
+ *   quant_block_e4m3x2                  that conversion of a block's values, shared with the rows
+ *                                       kernel and the fp8 SwiGLU GEMM's quantized a
  *   quant_cta_tile128                   a 128x128 tile in shared memory, one CTA of 256 threads:
  *                                       one 128x128 weight block, or any power-of-two block
  *                                       shape that divides the tile (1x128, 1x32, 32x1, ...)
