@@ -296,6 +296,8 @@ typedef struct {
                          // segment's [K2/128] (its block kb is the tile's block k_split + kb)
   int k_split;           // TP_FP8_B_SEGMENTS: K blocks of the first segment
   uint32_t sa;           // SMEM_A: shared address of this thread's first row's scale, stage 0
+  uint32_t sbc;          // TP_FP8_B_COLS: shared address of the scale of this thread's first
+                         // column (2 (lane % 4)) in stage 0's column slot (slots 640 bytes apart)
 } tp_fp8_scales_t;
 
 // Where the B scale of a stage comes from (the consumer's BMODE):
@@ -304,7 +306,11 @@ typedef struct {
 //                      (b2[kb]), so accumulator columns [0, 64) and [64, 128) promote with their
 //                      own scale
 //   TP_FP8_B_SEGMENTS  a second reduction segment: blocks kb >= k_split read b2[kb - k_split]
-enum { TP_FP8_B_ONE = 0, TP_FP8_B_HALVES = 1, TP_FP8_B_SEGMENTS = 2 };
+//   TP_FP8_B_COLS      one scale per B row and K block (1x128 along K, as the activations'):
+//                      the producer loads the tile's 128 of each block into a second slot per
+//                      stage, and every accumulator column promotes with its own (the fp8
+//                      weight gradients, gemm/grouped_wgrad_fp8.cuh, whose B is an activation)
+enum { TP_FP8_B_ONE = 0, TP_FP8_B_HALVES = 1, TP_FP8_B_SEGMENTS = 2, TP_FP8_B_COLS = 3 };
 
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
 // e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into a `part` set), promoted
@@ -356,9 +362,25 @@ __device__ __forceinline__ void tp_fp8_promote(float (&total)[64], float (&part)
   }
 }
 
-// The two B scales of block kb (the second is the up half's with TP_FP8_B_HALVES, else unused).
+// TP_FP8_B_COLS: total += part · (s0 rows, s1 rows + 8) · the column's scale; the 32 column
+// scales of this thread are pairs (columns 8 j + 2 (lane % 4), + 1) at sbc + 32 j in the slot.
+__device__ __forceinline__ void tp_fp8_promote_cols(float (&total)[64], float (&part)[64],
+                                                    float s0, float s1, uint32_t sbc) {
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    const float2 c = ptx_ld_shared_f32x2(sbc + 32 * j);
+    total[4 * j] += part[4 * j] * (s0 * c.x);
+    total[4 * j + 1] += part[4 * j + 1] * (s0 * c.y);
+    total[4 * j + 2] += part[4 * j + 2] * (s1 * c.x);
+    total[4 * j + 3] += part[4 * j + 3] * (s1 * c.y);
+  }
+}
+
+// The two B scales of block kb (the second is the up half's with TP_FP8_B_HALVES, else unused;
+// TP_FP8_B_COLS: 1, its column scales are applied in the promotion).
 template <int BMODE>
 __device__ __forceinline__ float2 tp_fp8_b_scales(const tp_fp8_scales_t &sc, int kb) {
+  if (BMODE == TP_FP8_B_COLS) return make_float2(1.0f, 0.0f);
   if (BMODE == TP_FP8_B_HALVES) return make_float2(sc.b[kb], sc.b2[kb]);
   if (BMODE == TP_FP8_B_SEGMENTS)
     return make_float2(kb < sc.k_split ? sc.b[kb] : sc.b2[kb - sc.k_split], 0.0f);
@@ -368,16 +390,25 @@ __device__ __forceinline__ float2 tp_fp8_b_scales(const tp_fp8_scales_t &sc, int
 // Waits until at most N wgmma groups are pending, so that block `cur` (stage st) has completed,
 // releases the stage (the empty barriers follow the full ones: tp_plan's EMPTY_OFFSET =
 // FULL_OFFSET + 8 STAGES, so one offset names both) and promotes cur with s0, s1 (columns
-// [64, 128): t0, t1).
-template <int N, int STAGES>
+// [64, 128): t0, t1; TP_FP8_B_COLS: each column with its scale from the stage's column slot,
+// sbc being stage 0's).
+template <int N, int STAGES, int BMODE>
 __device__ __forceinline__ void tp_fp8_retire(uint32_t full0, uint32_t st, float s0, float s1,
-                                              float t0, float t1, float (&cur)[64],
+                                              float t0, float t1, uint32_t sbc, float (&cur)[64],
                                               float (&total)[64]) {
   ptx_wgmma_wait_group<N>();
 #pragma unroll
   for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
-  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
-  tp_fp8_promote(total, cur, s0, s1, t0, t1);
+  if (BMODE == TP_FP8_B_COLS) {
+    // NOTE: the column scales are read from the stage's slot: release the stage only after them
+    // (released first, the producer refilled the slot with a later block's scales under the
+    // promotion: results that changed with the grid).
+    tp_fp8_promote_cols(total, cur, s0, s1, sbc + st * MOK_TP_FP8_SLOT_BYTES);
+    if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
+  } else {
+    if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
+    tp_fp8_promote(total, cur, s0, s1, t0, t1);
+  }
 }
 
 // The promotion scales of one block: this thread's two row scales (sa0, sa1, or with SMEM_A read
@@ -422,7 +453,7 @@ __device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uin
   tp_fp8_issue(nxt, da0 + step, db0 + step);
   tp_ring_advance<STAGES>(ring);
   if (SMEM_A) tp_fp8_row_scales<BMODE, 1>(sc.sa, *st_cur, 0.0f, 0.0f, sb_cur, s0, s1, t0, t1);
-  tp_fp8_retire<1, STAGES>(full0, *st_cur, s0, s1, t0, t1, cur, total);
+  tp_fp8_retire<1, STAGES, BMODE>(full0, *st_cur, s0, s1, t0, t1, sc.sbc, cur, total);
   *st_cur = st_next;
 }
 
@@ -434,7 +465,7 @@ __device__ __forceinline__ void tp_fp8_retire_last(uint32_t full0, uint32_t st,
                                                    float (&total)[64]) {
   float s0, s1, t0, t1;
   tp_fp8_row_scales<BMODE, SMEM_A>(sc.sa, st, sa0, sa1, sb, s0, s1, t0, t1);
-  tp_fp8_retire<0, STAGES>(full0, st, s0, s1, t0, t1, cur, total);
+  tp_fp8_retire<0, STAGES, BMODE>(full0, st, s0, s1, t0, t1, sc.sbc, cur, total);
 }
 
 template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0, int BMODE = TP_FP8_B_ONE>
