@@ -14,7 +14,8 @@
  * TP_FP8_B_COLS): the producer loads each stage's 128 row scales and 128 column scales into two
  * slots beside the operands. Otherwise the fp8 grouped GEMM's mainloop (two part sets, promotion
  * every 128 reduced rows), with the bf16 weight-gradient kernel's schedule (gw_sched: each output
- * tile of each group once, its rows in order, one CTA; deterministic for any grid). Epilogues:
+ * tile of each group once, its rows in order, one CTA; deterministic for any grid). A tile's
+ * result is stored once the next tile's first block is issued (gw8_deferred_store). Epilogues:
  * bf16 staged through shared memory and TMA bulk stores (as the fp8 grouped GEMM), fp32 stored or
  * accumulated from registers; an empty group stores zeros, or leaves C[g] when accumulating.
  */
@@ -48,6 +49,48 @@ typedef struct {
   int m_tiles, n_tiles;   // N / 128, K / 128
   void *c;                // [G, N, K] bf16 or fp32
 } gw8_kernel_params_t;
+
+// A consumer warpgroup's piece of an output tile: total (its [64, 128] fragment) -> C[g], or zeros
+// for an empty group (nothing when accumulating). cw: the warpgroup, lt: its thread.
+template <int EPI>
+__device__ __forceinline__ void gw8_store_tile(const float (&total)[64],
+                                               const gw8_kernel_params_t &p, const gw_tile_t &t,
+                                               bool empty, uint8_t *stage_c,
+                                               const CUtensorMap *tm_c, int cw, int lt) {
+  const size_t c_off = (size_t)t.group * (size_t)p.n * (size_t)p.k;
+  const epi_coords_t e = epi_coords(t.c_row0, p.n, t.c_col0, p.k, p.k, cw);
+  if (empty) {
+    if constexpr (EPI != MOK_GG_EPI_ACCUM_F32) {
+      float zero[64];
+#pragma unroll
+      for (int i = 0; i < 64; i++) zero[i] = 0.0f;
+      if (EPI == MOK_GG_EPI_STORE_BF16) epi_store_bf16<64>(zero, (__nv_bfloat16 *)p.c + c_off, e);
+      else epi_store_f32<64, false>(zero, (float *)p.c + c_off, e);
+    }
+  } else if (EPI == MOK_GG_EPI_STORE_BF16) {
+    epi_store_staged<0, 0, 0>(total, stage_c, tm_c, make_float2(1.0f, 1.0f), t.c_col0, p.k,
+                              t.group * p.n + t.c_row0 + 64 * cw, MOK_BAR_GEMM_EPI + cw, lt);
+  } else {
+    epi_store_f32<64, EPI == MOK_GG_EPI_ACCUM_F32>(total, (float *)p.c + c_off, e);
+  }
+}
+
+// The previous tile's store, run by the mainloop once the next tile's first block is issued
+// (tp_consume_tile_fp8_n128's after_first): the epilogue runs under the tensor cores' work on
+// that block instead of between tiles, where a tile reduces only ~4 blocks (DeepSeek-V3).
+template <int EPI>
+struct gw8_deferred_store {
+  const float (&total)[64];
+  const gw8_kernel_params_t &p;
+  const gw_tile_t &prev;
+  bool pending;
+  uint8_t *stage_c;
+  const CUtensorMap *tm_c;
+  int cw, lt;
+  __device__ __forceinline__ void operator()() const {
+    if (pending) gw8_store_tile<EPI>(total, p, prev, false, stage_c, tm_c, cw, lt);
+  }
+};
 
 template <int EPI>
 __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
@@ -104,35 +147,26 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     const int cw = wg - 1;
     const int lt = threadIdx.x & 127;
     uint8_t *stage_c = smem + P::C_OFFSET + cw * (GW8_C_BYTES / 2);  // [2][64][128 B]
-    float total[64];  // [64, 128] fragment of this warpgroup
+    float total[64];  // [64, 128] fragment of this warpgroup: the tile's, then stored
+    gw_tile_t prev;   // the tile whose result waits in total (pending)
+    bool pending = false;
+    tp_fp8_scales_t sc = {};
+    const int rr = 64 * cw + 16 * (lt / 32) + (lt & 31) / 4;  // this thread's first tile row
+    sc.sa = ptx_smem_addr(smem) + Q::SLOTS_A + 4 * rr;
+    sc.sbc = ptx_smem_addr(smem) + Q::SLOTS_B + 8 * (lt & 3);
     while (gw_sched_next(&sched, &tile)) {
       const int k_blocks = tile.rows / GW8_BK;
-      const size_t c_off = (size_t)tile.group * (size_t)p.n * (size_t)p.k;
-      const epi_coords_t e = epi_coords(tile.c_row0, p.n, tile.c_col0, p.k, p.k, cw);
-      if (k_blocks == 0) {  // empty group: zeros, or C[g] untouched when accumulating
-        if (EPI != MOK_GG_EPI_ACCUM_F32) {
-          float zero[64];
-#pragma unroll
-          for (int i = 0; i < 64; i++) zero[i] = 0.0f;
-          if (STAGED) epi_store_bf16<64>(zero, (__nv_bfloat16 *)p.c + c_off, e);
-          else epi_store_f32<64, false>(zero, (float *)p.c + c_off, e);
-        }
+      if (k_blocks == 0) {  // empty group: zeros now; a pending tile keeps waiting in total
+        gw8_store_tile<EPI>(total, p, tile, true, stage_c, &tm_c, cw, lt);
         continue;
       }
-      tp_fp8_scales_t sc = {};
-      const int rr = 64 * cw + 16 * (lt / 32) + (lt & 31) / 4;  // this thread's first tile row
-      sc.sa = ptx_smem_addr(smem) + Q::SLOTS_A + 4 * rr;
-      sc.sbc = ptx_smem_addr(smem) + Q::SLOTS_B + 8 * (lt & 3);
+      const gw8_deferred_store<EPI> store_prev = {total, p, prev, pending, stage_c, &tm_c, cw, lt};
       tp_consume_tile_fp8_n128<GW8_BM, GW8_STAGES, C_BYTES, 1, TP_FP8_B_COLS>(
-          &ring, smem, full, empty, k_blocks, cw, false, sc, total);
-      if (STAGED) {
-        epi_store_staged<0, 0, 0>(total, stage_c, &tm_c, make_float2(1.0f, 1.0f), tile.c_col0,
-                                  p.k, tile.group * p.n + tile.c_row0 + 64 * cw,
-                                  MOK_BAR_GEMM_EPI + cw, lt);
-      } else {
-        epi_store_f32<64, EPI == MOK_GG_EPI_ACCUM_F32>(total, (float *)p.c + c_off, e);
-      }
+          &ring, smem, full, empty, k_blocks, cw, false, sc, total, store_prev);
+      prev = tile;
+      pending = true;
     }
+    if (pending) gw8_store_tile<EPI>(total, p, prev, false, stage_c, &tm_c, cw, lt);
     if (STAGED && lt == 0) ptx_bulk_wait_group_all();
   }
 #endif

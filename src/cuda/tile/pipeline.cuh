@@ -224,6 +224,14 @@ __device__ __forceinline__ void tp_pass_tile(tp_ring_t *ring, uint64_t *full, ui
 struct tp_no_hook {
   __device__ __forceinline__ void operator()() const {}
 };
+template <class H>
+struct tp_is_no_hook {
+  static constexpr bool value = false;
+};
+template <>
+struct tp_is_no_hook<tp_no_hook> {
+  static constexpr bool value = true;
+};
 struct tp_no_prep {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
@@ -362,17 +370,26 @@ __device__ __forceinline__ void tp_fp8_promote(float (&total)[64], float (&part)
   }
 }
 
-// TP_FP8_B_COLS: total += part · (s0 rows, s1 rows + 8) · the column's scale; the 32 column
-// scales of this thread are pairs (columns 8 j + 2 (lane % 4), + 1) at sbc + 32 j in the slot.
+#define TP_FP8_COLS_EARLY 8  // pairs loaded before the wait (all 16 spilled 12 bytes)
+// TP_FP8_B_COLS: this thread's 32 column scales of a stage, pairs (columns 8 j + 2 (lane % 4),
+// + 1) at sbc + 32 j of its slot; loaded before the wait for the block's wgmmas, so that the
+// shared-memory latency hides under them (loaded in the promotion, their waits were the
+// consumers' largest stall).
+template <int J0, int NJ>
+__device__ __forceinline__ void tp_fp8_col_scales(float2 (&c)[16], uint32_t sbc) {
+#pragma unroll
+  for (int j = J0; j < J0 + NJ; j++) c[j] = ptx_ld_shared_f32x2(sbc + 32 * j);
+}
+
+// TP_FP8_B_COLS: total += part · (s0 rows, s1 rows + 8) · the column's scale.
 __device__ __forceinline__ void tp_fp8_promote_cols(float (&total)[64], float (&part)[64],
-                                                    float s0, float s1, uint32_t sbc) {
+                                                    float s0, float s1, const float2 (&c)[16]) {
 #pragma unroll
   for (int j = 0; j < 16; j++) {
-    const float2 c = ptx_ld_shared_f32x2(sbc + 32 * j);
-    total[4 * j] += part[4 * j] * (s0 * c.x);
-    total[4 * j + 1] += part[4 * j + 1] * (s0 * c.y);
-    total[4 * j + 2] += part[4 * j + 2] * (s1 * c.x);
-    total[4 * j + 3] += part[4 * j + 3] * (s1 * c.y);
+    total[4 * j] += part[4 * j] * (s0 * c[j].x);
+    total[4 * j + 1] += part[4 * j + 1] * (s0 * c[j].y);
+    total[4 * j + 2] += part[4 * j + 2] * (s1 * c[j].x);
+    total[4 * j + 3] += part[4 * j + 3] * (s1 * c[j].y);
   }
 }
 
@@ -396,15 +413,19 @@ template <int N, int STAGES, int BMODE>
 __device__ __forceinline__ void tp_fp8_retire(uint32_t full0, uint32_t st, float s0, float s1,
                                               float t0, float t1, uint32_t sbc, float (&cur)[64],
                                               float (&total)[64]) {
+  float2 cs[16];
+  const uint32_t sbc_st = sbc + st * MOK_TP_FP8_SLOT_BYTES;
+  if (BMODE == TP_FP8_B_COLS) tp_fp8_col_scales<0, TP_FP8_COLS_EARLY>(cs, sbc_st);
   ptx_wgmma_wait_group<N>();
 #pragma unroll
   for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
   if (BMODE == TP_FP8_B_COLS) {
-    // NOTE: the column scales are read from the stage's slot: release the stage only after them
-    // (released first, the producer refilled the slot with a later block's scales under the
-    // promotion: results that changed with the grid).
-    tp_fp8_promote_cols(total, cur, s0, s1, sbc + st * MOK_TP_FP8_SLOT_BYTES);
+    // NOTE: the column scales are read from the stage's slot: release the stage only after
+    // reading them (released first, the producer refilled the slot with a later block's scales
+    // under the promotion: results that changed with the grid).
+    tp_fp8_col_scales<TP_FP8_COLS_EARLY, 16 - TP_FP8_COLS_EARLY>(cs, sbc_st);
     if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
+    tp_fp8_promote_cols(total, cur, s0, s1, cs);
   } else {
     if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
     tp_fp8_promote(total, cur, s0, s1, t0, t1);
@@ -468,14 +489,21 @@ __device__ __forceinline__ void tp_fp8_retire_last(uint32_t full0, uint32_t st,
   tp_fp8_retire<0, STAGES, BMODE>(full0, st, s0, s1, t0, t1, sc.sbc, cur, total);
 }
 
-template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0, int BMODE = TP_FP8_B_ONE>
+// after_first (a tp_no_hook by default): called once the first block's wgmmas are issued, for
+// work that may use `total` as the caller left it (the fp8 weight gradients store the previous
+// tile's result there while the tensor cores start this one); total is zeroed after it. Same
+// rules as the bf16 consumer's after_first.
+template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0, int BMODE = TP_FP8_B_ONE,
+          class Hook = tp_no_hook>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
                                                          uint64_t *full, uint64_t *empty,
                                                          int k_blocks, int wg, bool idle,
-                                                         tp_fp8_scales_t sc, float (&total)[64]) {
+                                                         tp_fp8_scales_t sc, float (&total)[64],
+                                                         Hook after_first = Hook()) {
   typedef tp_plan<BM, 128, STAGES, C_BYTES> P;
   static_assert(P::EMPTY_OFFSET == P::FULL_OFFSET + 8 * STAGES, "empty[] follows full[]");
   if (idle) {
+    after_first();
     tp_pass_tile<STAGES>(ring, full, empty, k_blocks);
     return;
   }
@@ -483,8 +511,11 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   const uint32_t da0 = (uint32_t)ptx_desc_kmajor_sw128(smem + wg * 64 * MOK_TP_ROW_BYTES);
   const uint32_t db0 = (uint32_t)ptx_desc_kmajor_sw128(smem + P::A_BYTES);
   float pa[64], pb[64];
+  constexpr bool DEFER = !tp_is_no_hook<Hook>::value;  // total is the caller's until after_first
+  if (!DEFER) {
 #pragma unroll
-  for (int i = 0; i < 64; i++) total[i] = 0.0f;
+    for (int i = 0; i < 64; i++) total[i] = 0.0f;
+  }
   float sa0 = 0.0f, sa1 = 0.0f;
   float2 sb = tp_fp8_b_scales<BMODE>(sc, 0);
   if (!SMEM_A) {
@@ -495,6 +526,11 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   ptx_mbar_wait_at(full0 + 8 * st_cur, ring->phase);
   tp_fp8_issue(pa, da0 + st_cur * (P::STAGE_BYTES >> 4), db0 + st_cur * (P::STAGE_BYTES >> 4));
   tp_ring_advance<STAGES>(ring);
+  if (DEFER) {
+    after_first();
+#pragma unroll
+    for (int i = 0; i < 64; i++) total[i] = 0.0f;
+  }
   int kb = 0;
   for (; kb + 2 < k_blocks; kb += 2) {  // blocks kb + 1 and kb + 2 exist: a pair of steps
     tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A, BMODE>(ring, full0, da0, db0, kb, sc, sa0, sa1,
