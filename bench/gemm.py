@@ -111,15 +111,6 @@ class GemmLib:
     def declare(self):
         self.cdll.mok_bench_gemm.argtypes = [ctypes.POINTER(BenchGemm), ctypes.c_void_p]
         self.cdll.mok_bench_gemm.restype = ctypes.c_int
-        if hasattr(self.cdll, "mok_bench_quantize_cols"):  # the fp8 weight gradients' operands
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            self.cdll.mok_bench_wgrad_padded_rows_max.argtypes = [i64, i64]
-            self.cdll.mok_bench_wgrad_padded_rows_max.restype = i64
-            self.cdll.mok_bench_padded_offsets.argtypes = [ptr, i64, i64, ptr, ptr]
-            self.cdll.mok_bench_padded_offsets.restype = ctypes.c_int
-            self.cdll.mok_bench_quantize_cols.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr,
-                                                          ptr, i64, ctypes.c_int, ptr]
-            self.cdll.mok_bench_quantize_cols.restype = ctypes.c_int
 
     def prepare(self, g):
         copy = BenchGemm.from_buffer_copy(g)
@@ -605,94 +596,6 @@ def run_case_wgrad(lib, model, gemm, routing, args, gen):
     return row
 
 
-def run_case_wgrad_fp8(lib, model, gemm, routing, args, gen):
-    """The fp8-block weight gradient against MoK's bf16 one on the same bf16 operands: both
-    operands quantized along the rows per expert (128 x 1 blocks, mok_bench_quantize_cols, after
-    the padded offsets), then the fp8 k-grouped GEMM (mok_bench_gemm kind 1, dtype 1), bf16 out.
-    mok_ms is the whole fp8 path (quantization + GEMM), baseline_ms MoK's bf16 kernel; the torch.mm
-    loop of the bf16 operands is the reference of both errors (fp8's is the quantization's)."""
-    H, I, E = MODELS[model]
-    R = T * TOPK
-    dev = "cuda"
-    offs_torch, offs_mok = group_offsets(routing, R, E, gen)
-    N, K = (H, I) if gemm == "wgrad_dwd" else (I, H)   # dWd: dy [R, H], a [R, I]; dWg: dg, x
-    a = (torch.randn(R, N, device=dev) * 0.5).to(torch.bfloat16)             # [R, N]
-    b = (torch.randn(R, K, device=dev) * 0.5).to(torch.bfloat16)             # [R, K]
-    out = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)             # [E, N, K]
-    out8 = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)
-    ld = lib.cdll.mok_bench_wgrad_padded_rows_max(R, E)
-    padded = torch.empty(E + 1, device=dev, dtype=torch.int32)
-    qa = torch.empty(N, ld, device=dev, dtype=torch.uint8)                   # [N, ld] e4m3
-    qb = torch.empty(K, ld, device=dev, dtype=torch.uint8)
-    sa = torch.empty(ld // 128, N, device=dev, dtype=torch.float32)
-    sb = torch.empty(ld // 128, K, device=dev, dtype=torch.float32)
-    stream = torch.cuda.current_stream().cuda_stream
-    s = ctypes.c_void_p(stream)
-
-    p = BenchGemm(kind=KIND_WGRAD, epilogue=EPI_STORE_BF16, offsets_int64=0)
-    p.num_groups, p.m_total, p.n, p.k = E, R, N, K
-    p.a, p.b, p.offsets, p.c = a.data_ptr(), b.data_ptr(), offs_mok.data_ptr(), out.data_ptr()
-    p.num_sms = args.sms
-    p8 = BenchGemm(kind=KIND_WGRAD, dtype=FP8_BLOCK, epilogue=EPI_STORE_BF16, offsets_int64=0)
-    p8.num_groups, p8.m_total, p8.n, p8.k = E, ld, N, K
-    p8.a, p8.b, p8.offsets, p8.c = qa.data_ptr(), qb.data_ptr(), padded.data_ptr(), out8.data_ptr()
-    p8.a_scale, p8.b_scale, p8.num_sms = sa.data_ptr(), sb.data_ptr(), args.sms
-    bf16, gemm8 = gemm_launcher(lib, p, stream), gemm_launcher(lib, p8, stream)
-
-    def check(rc, what):
-        if rc != 0:
-            raise RuntimeError(f"{what} returned {rc}: {lib.error(rc)}")
-
-    def quant():
-        check(lib.cdll.mok_bench_padded_offsets(ctypes.c_void_p(offs_mok.data_ptr()), E, R,
-                                                ctypes.c_void_p(padded.data_ptr()), s),
-              "mok_bench_padded_offsets")
-        for x, q, sc, n in ((a, qa, sa, N), (b, qb, sb, K)):
-            check(lib.cdll.mok_bench_quantize_cols(
-                ctypes.c_void_p(x.data_ptr()), R, n, ctypes.c_void_p(offs_mok.data_ptr()), E,
-                ctypes.c_void_p(padded.data_ptr()), ctypes.c_void_p(q.data_ptr()),
-                ctypes.c_void_p(sc.data_ptr()), ld, 0, s), "mok_bench_quantize_cols")
-
-    def fp8():
-        quant()
-        gemm8()
-
-    bounds = offs_mok.tolist()
-    ref = torch.empty(E, N, K, device=dev, dtype=torch.bfloat16)
-    for e in range(E):  # the torch.mm loop of the bf16 operands
-        torch.mm(a[bounds[e]:bounds[e + 1]].t(), b[bounds[e]:bounds[e + 1]], out=ref[e])
-    out.fill_(float("nan"))
-    out8.fill_(float("nan"))
-    bf16()
-    fp8()
-    torch.cuda.synchronize()
-    err, err8 = rel_err(out, ref), rel_err(out8, ref)
-    nan = bool(torch.isnan(out8.float()).any().item())
-    flops = 2.0 * R * N * K
-    row = {"bench": "gemm", "case": f"{model}/{gemm}/{routing}/fp8", "device":
-           torch.cuda.get_device_name(),
-           "dtype": "fp8-block weight gradient (128x1 blocks along the rows) vs MoK's bf16, "
-                    "bf16 out",
-           "M": R, "N": N, "K": K, "E": E, "rel_err_vs_baseline": err8,
-           "rel_err_bf16_vs_mm_loop": err, "reference": "loop of torch.mm per expert (bf16)",
-           "baseline": "MoK's bf16 weight-gradient GEMM", "commit": args.commit_resolved,
-           "torch": torch.__version__}
-    # fp8's error is the quantization's: e4m3 keeps 3 mantissa bits, about 3% of each product
-    if nan or not err < 1e-2 or not err8 < 0.1:
-        row.update({"mok_ms": None, "baseline_ms": None, "ratio": None, "tflops": None,
-                    "baseline_tflops": None,
-                    "error": f"wrong result: rel err fp8 {err8:.3g}, bf16 {err:.3g}, nan={nan}"})
-        return row
-    times = time_ms([fp8, bf16, gemm8, quant], args.warmup, args.reps, args.rounds)
-    mok_ms, base_ms, gemm_ms, quant_ms = times
-    row.update({"mok_ms": mok_ms, "baseline_ms": base_ms, "ratio": base_ms / mok_ms,
-                "tflops": flops / mok_ms / 1e9, "baseline_tflops": flops / base_ms / 1e9,
-                "mok_fp8_gemm_ms": gemm_ms, "mok_fp8_quant_ms": quant_ms,
-                "fp8_gemm_tflops": flops / gemm_ms / 1e9,
-                "timing": TIMING["mode"], **clock_fields(["mok", "baseline"])})
-    return row
-
-
 E4M3_MAX = 448.0
 
 
@@ -825,11 +728,7 @@ def describe(row):
                 f"ratio {row['ratio']:.3f}")
     err = row.get("rel_err_vs_dequant_bf16", row.get("rel_err_vs_baseline"))
     out += f" | err {err:.2e}"
-    if "mok_fp8_gemm_ms" in row:  # fp8 weight gradients
-        out += (f" | fp8 GEMM {row['mok_fp8_gemm_ms']:.3f} ms ({row['fp8_gemm_tflops']:.0f} "
-                f"TF/s), quantization {row['mok_fp8_quant_ms']:.3f} ms | baseline "
-                f"{row['baseline']}")
-    elif "mok_f32_ms" not in row:  # --variants
+    if "mok_f32_ms" not in row:  # --variants
         out += "".join(f" | {k[4:-3]} {v:.3f}" for k, v in row.items()
                        if k in variants_names or k.startswith("mok_lib_b"))
         if "ratio_act" in row:
@@ -890,8 +789,6 @@ def main():
     if not args.no_fp8:
         cases += [(f"{m}/{g}/{r}/fp8", run_case_fp8, (m, g, r)) for m in MODELS
                   for g in ("gate_up", "down") for r in ("balanced", "skewed")]
-        cases += [(f"{m}/{g}/{r}/fp8", run_case_wgrad_fp8, (m, g, r)) for m in WGRAD_MODELS
-                  for g in ("wgrad_dwd", "wgrad_dwg") for r in ("balanced", "skewed")]
     rows = []
     for name, run, (model, gemm, routing) in cases:
         if not case_selected(name, args.cases):

@@ -6,7 +6,6 @@
 #include "mok_bench.h"
 
 #include "cuda/comm/comm.h"
-#include "cuda/quant/quant.h"
 #ifdef MOK_WITH_CUDA
 #include "cuda/gemm/gemm.h"
 #endif
@@ -40,46 +39,12 @@ mokResult_t mok_bench_gemm(const mok_bench_gemm_t *g, void *stream) {
     p.offsets_int64 = g->offsets_int64;
     p.num_groups = g->num_groups, p.m_total = g->m_total, p.n = g->n, p.k = g->k;
     p.a = g->a, p.b = g->b, p.offsets = g->offsets, p.c = g->c, p.num_sms = g->num_sms;
-    p.dtype = (mok_gg_dtype_t)g->dtype;
-    p.a_scale = g->a_scale, p.b_scale = g->b_scale;
     return mok_grouped_wgrad_launch(&p, stream);
   }
   return mok_fail(NULL, MOK_ERROR_INVALID_VALUE, "mok_bench_gemm: kind %d", g->kind);
 #else
   (void)stream;
   return mok_fail(NULL, MOK_ERROR_NO_DEVICE, "mok_bench_gemm: built without CUDA");
-#endif
-}
-
-int64_t mok_bench_wgrad_padded_rows_max(int64_t m_total, int64_t groups) {
-  return mok_wgrad_padded_rows_max(m_total, groups);
-}
-
-mokResult_t mok_bench_padded_offsets(const void *offsets, int64_t groups, int64_t m_total,
-                                     int32_t *padded, void *stream) {
-#ifdef MOK_WITH_CUDA
-  return mok_wgrad_padded_offsets_launch(offsets, 0, groups, m_total, padded, stream);
-#else
-  (void)offsets, (void)groups, (void)m_total, (void)padded, (void)stream;
-  return mok_fail(NULL, MOK_ERROR_NO_DEVICE, "mok_bench_padded_offsets: built without CUDA");
-#endif
-}
-
-mokResult_t mok_bench_quantize_cols(const void *x, int64_t m_total, int64_t n,
-                                    const void *offsets, int64_t groups, const int32_t *padded,
-                                    uint8_t *q, float *scales, int64_t ld, int pow2,
-                                    void *stream) {
-#ifdef MOK_WITH_CUDA
-  mok_quantize_cols_params_t p;
-  memset(&p, 0, sizeof(p));
-  p.x = x, p.m_total = m_total, p.n = n, p.offsets = offsets, p.num_groups = groups;
-  p.padded = padded, p.q = q, p.scales = scales, p.ld = ld;
-  p.kind = pow2 ? MOK_QUANT_POW2_SCALE : MOK_QUANT_FP32_SCALE;
-  return mok_quantize_cols_launch(&p, stream);
-#else
-  (void)x, (void)m_total, (void)n, (void)offsets, (void)groups, (void)padded, (void)q;
-  (void)scales, (void)ld, (void)pow2, (void)stream;
-  return mok_fail(NULL, MOK_ERROR_NO_DEVICE, "mok_bench_quantize_cols: built without CUDA");
 #endif
 }
 

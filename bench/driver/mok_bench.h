@@ -20,9 +20,7 @@ extern "C" {
 int mok_bench_version(void);
 
 /* One grouped GEMM (kind 0: src/cuda/gemm/gemm.h's mok_grouped_gemm_launch) or weight-gradient
- * GEMM (kind 1: mok_grouped_wgrad_launch), fields as those launchers document them; kind 1 with
- * dtype 1 is the fp8-block weight gradient (a, b: the e4m3 copies of mok_bench_quantize_cols,
- * offsets: their padded offsets, m_total: their ld, a_scale and b_scale: their scales). */
+ * GEMM (kind 1: mok_grouped_wgrad_launch), fields as those launchers document them. */
 typedef struct {
   size_t struct_size;        /* sizeof(mok_bench_gemm_t) */
   int kind;                  /* 0: grouped GEMM, 1: weight-gradient GEMM */
@@ -42,18 +40,6 @@ typedef struct {
   int64_t a_scale_ld;
 } mok_bench_gemm_t;
 mokResult_t mok_bench_gemm(const mok_bench_gemm_t *g, void *stream);
-
-/* The fp8-block weight gradients' operands (src/cuda/quant/quant.h): the padded offsets of
- * int32 `offsets` (mok_wgrad_padded_offsets_launch), then x [m_total, n] bf16 quantized along
- * its rows per group into q [n, ld] and scales [ld / 128, n] (mok_quantize_cols_launch, fp32
- * scales when pow2 is 0); ld is at least mok_bench_wgrad_padded_rows_max(m_total, groups). */
-int64_t mok_bench_wgrad_padded_rows_max(int64_t m_total, int64_t groups);
-mokResult_t mok_bench_padded_offsets(const void *offsets, int64_t groups, int64_t m_total,
-                                     int32_t *padded, void *stream);
-mokResult_t mok_bench_quantize_cols(const void *x, int64_t m_total, int64_t n,
-                                    const void *offsets, int64_t groups, const int32_t *padded,
-                                    uint8_t *q, float *scales, int64_t ld, int pow2,
-                                    void *stream);
 
 /* Sets one tuning value of a layer (src/common/tuning.h) by its field name: "forward_path"
  * (0 fused, 1 chain), "forward_sms", "fused_lag", "fused_shared_band", "fused_help_pct",

@@ -46,14 +46,6 @@ static inline mok_grouped_gemm_params_t gemm_params(mok_gg_dtype_t dtype, mok_gg
 
 static inline double silu(double g) { return g / (1.0 + exp(-g)); }
 
-// OCP E4M3 (fn): bias 7, no infinities; 0x7F / 0xFF are NaN (read here as +-480: callers only pass
-// finite bytes).
-static inline double e4m3_to_double(uint8_t v) {
-  const int sign = v >> 7, e = (v >> 3) & 15, m = v & 7;
-  const double mag = e == 0 ? ldexp(m / 8.0, -6) : ldexp(1.0 + m / 8.0, e - 7);
-  return sign ? -mag : mag;
-}
-
 // A problem: groups over the rows of A, with rows before, between (none) and after the groups.
 typedef struct {
   int G, M, N, K;

@@ -20,6 +20,11 @@
 /* fp8-block                                                                                       */
 /* ---------------------------------------------------------------------------------------------- */
 
+static double e4m3_to_double(uint8_t v) {  // OCP E4M3 (fn): bias 7, no infinities, 0x7F/0xFF NaN
+  const int sign = v >> 7, e = (v >> 3) & 15, m = v & 7;
+  const double mag = e == 0 ? ldexp(m / 8.0, -6) : ldexp(1.0 + m / 8.0, e - 7);
+  return sign ? -mag : mag;
+}
 static uint8_t rnd_e4m3(void) {  // any finite e4m3 value
   uint8_t v = (uint8_t)test_rng_u32(&g_rng);
   if ((v & 0x7F) == 0x7F) v ^= 1;  // NaN -> 448 or -448 neighbour

@@ -175,15 +175,6 @@ static inline mok_grouped_gemm_params_t mok_gg_mx_params(mok_gg_epilogue_t epi, 
  * an empty group stores zeros, or leaves C[g] untouched when accumulating. */
 typedef struct {
   mok_gg_epilogue_t epilogue; /* STORE_BF16, STORE_F32 or ACCUM_F32 (SwiGLU: not implemented) */
-  mok_gg_dtype_t dtype;       /* MOK_GG_BF16 (0), or MOK_GG_FP8_BLOCK: the operands quantized
-                                 along the rows by mok_quantize_cols_launch (src/cuda/quant/
-                                 quant.h), C[g] = Σ over g's K blocks kb of A_kb · B_kbᵀ times
-                                 each element's row and column scales, fp32 promotion every 128
-                                 rows; then a = qa [N, m_total], b = qb [K, m_total] e4m3,
-                                 a_scale [m_total / 128, N], b_scale [m_total / 128, K], offsets
-                                 = the padded int32 offsets (mok_wgrad_padded_offsets_launch),
-                                 m_total (>= padded[G]) a multiple of 128, N % 128 == 0 and
-                                 K % 128 == 0 */
   int offsets_int64;          /* 0: offsets are int32, 1: int64 */
   int64_t num_groups;         /* G, 1..2^20 */
   int64_t m_total;            /* rows of A and B (>= offsets[G]); 0 is allowed */
@@ -194,8 +185,6 @@ typedef struct {
   const void *offsets;        /* [G + 1] int32 or int64, device memory */
   void *c;                    /* [G, N, K] bf16 or fp32 (see epilogue), 16-byte aligned */
   int num_sms;                /* CTAs of the persistent grid; 0 = one per SM */
-  const float *a_scale;       /* fp8-block: [m_total / 128, N], 16-byte aligned */
-  const float *b_scale;       /* fp8-block: [m_total / 128, K], 16-byte aligned */
 } mok_grouped_wgrad_params_t;
 
 /* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,

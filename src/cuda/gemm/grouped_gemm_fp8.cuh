@@ -187,62 +187,6 @@ __device__ __forceinline__ void gg8_store_swiglu_q(const float (&acc)[64],
   }
 }
 
-// A consumer warpgroup's epilogue of one result: (tile, half h) and where this warpgroup stores.
-template <int EPI, int QA>
-struct gg8_epilogue_t {
-  gg_tile_t tile;
-  int h;
-  bool pending;  // false: no result yet
-  int cw, lt;
-  uint8_t *smem;
-  const CUtensorMap *tm_c;
-};
-
-// The epilogue of `e`'s result, in total: stores (staged, or from registers), SwiGLU, or with QA
-// the half's part of the quantized a. Everything of it is computed after the mainloop, whose two
-// `part` sets leave little room.
-template <int EPI, int QA, int HALVES, int STAGED, class Q>
-__device__ __forceinline__ void gg8_epilogue(const float (&total)[64], const gg_kernel_params_t &p,
-                                             const gg8_epilogue_t<EPI, QA> &ep) {
-  if (!ep.pending) return;
-  typedef typename Q::P P;
-  const gg_tile_t &tile = ep.tile;
-  const int cw = ep.cw, lt = ep.lt;
-  const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0 + 64 * ep.h, p.n, p.n, cw);
-  const int wg_row0 = tile.row0 + 64 * cw;
-  uint8_t *stage_c = ep.smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
-  if (QA) {
-    uint32_t *stash = (uint32_t *)(ep.smem + Q::STASH_OFFSET) + cw * (GG8_STASH_BYTES / 8) + lt;
-    if (ep.h == 0) gg8_store_swiglu_q<0>(total, p, epi_row_scales(p.row_scale, e), e, stash);
-    else gg8_store_swiglu_q<1>(total, p, epi_row_scales(p.row_scale, e), e, stash);
-  } else if (HALVES) {
-    epi_store_swiglu<64>(total, (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.g_out,
-                         (__nv_bfloat16 *)p.u_out, epi_row_scales(p.row_scale, e), e);
-  } else if (STAGED && wg_row0 + 64 <= tile.row_end) {
-    epi_store_staged<0, 0, 0>(total, stage_c, ep.tm_c, make_float2(1.0f, 1.0f), tile.n0, p.n,
-                              wg_row0, MOK_BAR_GEMM_EPI + cw, lt);
-  } else if (EPI == MOK_GG_EPI_STORE_BF16) {
-    epi_store_bf16<64>(total, (__nv_bfloat16 *)p.c, e);
-  } else if (EPI == MOK_GG_EPI_STORE_F32) {
-    epi_store_f32<64, false>(total, (float *)p.c, e);
-  } else {
-    epi_store_f32<64, true>(total, (float *)p.c, e);
-  }
-}
-
-// tp_consume_tile_fp8_n128's after_first: the previous result's epilogue, while the tensor cores
-// run the next result's first block (a down GEMM tile reduces 16 blocks at DeepSeek-V3, so an
-// epilogue between tiles left them idle for a sizable part of it).
-template <int EPI, int QA, int HALVES, int STAGED, class Q>
-struct gg8_deferred_t {
-  const float (&total)[64];
-  const gg_kernel_params_t &p;
-  const gg8_epilogue_t<EPI, QA> &ep;
-  __device__ __forceinline__ void operator()() const {
-    gg8_epilogue<EPI, QA, HALVES, STAGED, Q>(total, p, ep);
-  }
-};
-
 // STAGES: ring depth; SMEM_A: activation scales [K/128, ld] through shared memory (above), else
 // [M_total, K/128] read from global memory by the consumers; BMODE: tile/pipeline.cuh's B scale
 // modes (TP_FP8_B_HALVES with the SwiGLU epilogue, TP_FP8_B_SEGMENTS with a second segment);
@@ -313,44 +257,55 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
     ptx_setmaxnreg_inc<SMEM_A ? GG8_SMEM_A_CONSUMER_REGS : GG8_CONSUMER_REGS>();
     const int cw = wg - 1;
     const int lt = threadIdx.x & 127;
-    float total[64];  // [64, 128] fragment of this warpgroup: the tile's, then its epilogue's
+    float total[64];  // [64, 128] fragment of this warpgroup
     const int4 *tags = gg_tags<P>(smem_raw, smem);
-    gg8_epilogue_t<EPI, QA> prev = {};  // the (tile, half) whose result waits in total
-    prev.cw = cw;
-    prev.lt = lt;
-    prev.smem = smem;
-    prev.tm_c = &tm_c;
     while (gg_peek(&ring, full, tags, &tile)) {
 #pragma unroll
      for (int h = 0; h < (QA ? 2 : 1); h++) {  // QA: the tile's two halves, back to back
       // scale rows of this thread's two accumulator rows, clamped into the tensor (rows past the
       // group's end are computed but never stored)
-      const int64_t row = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw).row;
-      const int64_t r0 = row < p.m_total ? row : p.m_total - 1;
-      const int64_t r1 = row + 8 < p.m_total ? row + 8 : p.m_total - 1;
-      tp_fp8_scales_t sc;
-      sc.a0 = p.a_scale + r0 * p.k_blocks;
-      sc.a1 = p.a_scale + r1 * p.k_blocks;
-      // the tile's 128-row block of B (HALVES: of Wg and of Wu)
-      const int64_t nb = (int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN;
-      sc.b = p.b_scale + nb * p.k_split;
-      sc.b2 = HALVES ? p.b2_scale + nb * p.k_split : p.b2_scale + nb * (p.k_blocks - p.k_split);
-      sc.k_split = p.k_split;
-      // SMEM_A: this thread's first row in the slot, which starts at row0 & ~3
-      sc.sa = ptx_smem_addr(smem) + Q::SLOTS_OFFSET + 4 * (int)(row - (tile.row0 & ~3));
-      sc.sbc = 0;
-      // The previous result's epilogue runs once this tile's first block is issued, under its
-      // MMA (gg8_epilogue_t), then total is this tile's.
-      const gg8_deferred_t<EPI, QA, HALVES, STAGED, Q> epilogue = {total, p, prev};
-      tp_consume_tile_fp8_n128<GG8_BM, STAGES, C_BYTES, SMEM_A, BMODE>(
-          &ring, smem, full, empty, p.k_blocks, cw,
-          gg_skip_rows(p, tile.row0 + 64 * cw, tile.row_end), sc, total, epilogue);
-      prev.tile = tile;
-      prev.h = h;
-      prev.pending = true;
+      {
+        const int64_t row = epi_coords(tile.row0, tile.row_end, tile.n0, p.n, p.n, cw).row;
+        const int64_t r0 = row < p.m_total ? row : p.m_total - 1;
+        const int64_t r1 = row + 8 < p.m_total ? row + 8 : p.m_total - 1;
+        tp_fp8_scales_t sc;
+        sc.a0 = p.a_scale + r0 * p.k_blocks;
+        sc.a1 = p.a_scale + r1 * p.k_blocks;
+        // the tile's 128-row block of B (HALVES: of Wg and of Wu)
+        const int64_t nb = (int64_t)tile.group * (p.n / GG8_BN) + tile.n0 / GG8_BN;
+        sc.b = p.b_scale + nb * p.k_split;
+        sc.b2 = HALVES ? p.b2_scale + nb * p.k_split : p.b2_scale + nb * (p.k_blocks - p.k_split);
+        sc.k_split = p.k_split;
+        // SMEM_A: this thread's first row in the slot, which starts at row0 & ~3
+        sc.sa = ptx_smem_addr(smem) + Q::SLOTS_OFFSET + 4 * (int)(row - (tile.row0 & ~3));
+        tp_consume_tile_fp8_n128<GG8_BM, STAGES, C_BYTES, SMEM_A, BMODE>(
+            &ring, smem, full, empty, p.k_blocks, cw,
+            gg_skip_rows(p, tile.row0 + 64 * cw, tile.row_end), sc, total);
+      }
+      // Everything else of the epilogue is computed after the mainloop, whose two `part` sets
+      // leave little room.
+      const epi_coords_t e = epi_coords(tile.row0, tile.row_end, tile.n0 + 64 * h, p.n, p.n, cw);
+      const int wg_row0 = tile.row0 + 64 * cw;
+      uint8_t *stage_c = smem + P::C_OFFSET + cw * (GG8_C_BYTES / 2);  // [2][64][128 B]
+      if (QA) {
+        uint32_t *stash = (uint32_t *)(smem + Q::STASH_OFFSET) + cw * (GG8_STASH_BYTES / 8) + lt;
+        if (h == 0) gg8_store_swiglu_q<0>(total, p, epi_row_scales(p.row_scale, e), e, stash);
+        else gg8_store_swiglu_q<1>(total, p, epi_row_scales(p.row_scale, e), e, stash);
+      } else if (HALVES) {
+        epi_store_swiglu<64>(total, (__nv_bfloat16 *)p.c, (__nv_bfloat16 *)p.g_out,
+                             (__nv_bfloat16 *)p.u_out, epi_row_scales(p.row_scale, e), e);
+      } else if (STAGED && wg_row0 + 64 <= tile.row_end) {
+        epi_store_staged<0, 0, 0>(total, stage_c, &tm_c, make_float2(1.0f, 1.0f), tile.n0, p.n,
+                                  wg_row0, MOK_BAR_GEMM_EPI + cw, lt);
+      } else if (EPI == MOK_GG_EPI_STORE_BF16) {
+        epi_store_bf16<64>(total, (__nv_bfloat16 *)p.c, e);
+      } else if (EPI == MOK_GG_EPI_STORE_F32) {
+        epi_store_f32<64, false>(total, (float *)p.c, e);
+      } else {
+        epi_store_f32<64, true>(total, (float *)p.c, e);
+      }
      }
     }
-    gg8_epilogue<EPI, QA, HALVES, STAGED, Q>(total, p, prev);
     if (STAGED && lt == 0) ptx_bulk_wait_group_all();
   }
 #endif

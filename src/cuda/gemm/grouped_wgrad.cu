@@ -128,8 +128,6 @@ __global__ void __launch_bounds__(MOK_TP_THREADS, 1)
 #endif
 }
 
-#include "cuda/gemm/grouped_wgrad_fp8.cuh"
-
 /* ---------------------------------------------------------------------------------------------- */
 /* Launcher                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
@@ -143,16 +141,6 @@ static mokResult_t gw_validate(const mok_grouped_wgrad_params_t *p) {
   if (p->epilogue == MOK_GG_EPI_SWIGLU) return MOK_ERROR_NOT_IMPLEMENTED;
   if (p->offsets_int64 != 0 && p->offsets_int64 != 1) return MOK_ERROR_INVALID_VALUE;
   if (p->num_sms < 0) return MOK_ERROR_INVALID_VALUE;
-  if (p->dtype != MOK_GG_BF16 && p->dtype != MOK_GG_FP8_BLOCK) return MOK_ERROR_INVALID_VALUE;
-  if (p->dtype == MOK_GG_FP8_BLOCK) {
-    if (!p->a_scale || !p->b_scale) return MOK_ERROR_NULL_POINTER;
-    if (p->offsets_int64 != 0) return MOK_ERROR_INVALID_VALUE;  // the padded int32 offsets
-    if (p->m_total % GW8_BK != 0 || p->n % GW8_BM != 0 || p->k % GW8_BN != 0)
-      return MOK_ERROR_INVALID_SHAPE;
-    if (!gw_aligned16(p->a_scale) || !gw_aligned16(p->b_scale)) return MOK_ERROR_MISALIGNED;
-    if ((p->n / GW8_BM) * (p->k / GW8_BN) * p->num_groups >= ((int64_t)1 << 31))
-      return MOK_ERROR_INVALID_SHAPE;
-  }
   if (p->num_groups < 1 || p->num_groups > MOK_GG_MAX_GROUPS) return MOK_ERROR_INVALID_SHAPE;
   if (p->m_total < 0 || p->n < 1 || p->k < 1) return MOK_ERROR_INVALID_SHAPE;
   if (p->n % 8 != 0 || p->k % 8 != 0) return MOK_ERROR_INVALID_SHAPE;  // 16-byte row strides
@@ -167,52 +155,6 @@ static mokResult_t gw_validate(const mok_grouped_wgrad_params_t *p) {
       ((uintptr_t)p->offsets & (p->offsets_int64 ? 7u : 3u)))
     return MOK_ERROR_MISALIGNED;
   return MOK_SUCCESS;
-}
-
-// fp8-block (gemm/grouped_wgrad_fp8.cuh): maps over the transposed e4m3 copies and their scales.
-static int gw_sms(int requested, int64_t tiles, int *grid) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 1;
-  *grid = requested > 0 && requested < sms ? requested : sms;
-  if (*grid > tiles) *grid = (int)tiles;
-  return 0;
-}
-
-static mokResult_t gw_run_fp8(const mok_grouped_wgrad_params_t *p, void *stream) {
-  gw8_kernel_params_t kp;
-  kp.padded = (const int32_t *)p->offsets;
-  kp.num_groups = (int)p->num_groups;
-  kp.kp = p->m_total;
-  kp.n = (int)p->n;
-  kp.k = (int)p->k;
-  kp.m_tiles = (int)(p->n / GW8_BM);
-  kp.n_tiles = (int)(p->k / GW8_BN);
-  kp.c = p->c;
-  int grid = 0;
-  if (gw_sms(p->num_sms, (int64_t)kp.num_groups * kp.m_tiles * kp.n_tiles, &grid))
-    return MOK_ERROR_NO_DEVICE;
-  // Maps over [rows, max(m_total, 128)] (an empty tensor cannot be encoded; no tile loads any
-  // column then) and [max(m_total / 128, 1), cols] for the scales.
-  const uint64_t cols = p->m_total > 0 ? (uint64_t)p->m_total : GW8_BK;
-  const uint64_t kblocks = p->m_total > 0 ? (uint64_t)(p->m_total / GW8_BK) : 1;
-  CUtensorMap m[5];  // a, b, sa, sb, c
-  if (tma_encode_e4m3_sw128(&m[0], p->a, (uint64_t)p->n, cols, GW8_BM) ||
-      tma_encode_e4m3_sw128(&m[1], p->b, (uint64_t)p->k, cols, GW8_BN) ||
-      tma_encode_f32_rows(&m[2], p->a_scale, kblocks, (uint64_t)p->n, GW8_BM) ||
-      tma_encode_f32_rows(&m[3], p->b_scale, kblocks, (uint64_t)p->k, GW8_BN))
-    return MOK_ERROR_CUDA;
-  m[4] = m[0];
-  if (p->epilogue == MOK_GG_EPI_STORE_BF16 &&
-      tma_encode_bf16_sw128(&m[4], p->c, (uint64_t)(p->num_groups * p->n), (uint64_t)p->k, 64))
-    return MOK_ERROR_CUDA;
-  cudaStream_t s = (cudaStream_t)stream;
-  const cudaError_t err =
-      p->epilogue == MOK_GG_EPI_STORE_BF16 ? gw_launch_fp8<MOK_GG_EPI_STORE_BF16>(&kp, m, grid, s)
-      : p->epilogue == MOK_GG_EPI_STORE_F32 ? gw_launch_fp8<MOK_GG_EPI_STORE_F32>(&kp, m, grid, s)
-                                            : gw_launch_fp8<MOK_GG_EPI_ACCUM_F32>(&kp, m, grid, s);
-  return err == cudaSuccess ? MOK_SUCCESS : MOK_ERROR_CUDA;
 }
 
 template <int EPI, int STAGES, int TMA_STORE>
@@ -243,7 +185,6 @@ extern "C" mokResult_t mok_grouped_wgrad_launch(const mok_grouped_wgrad_params_t
   // No rows: every group is empty. Accumulating adds nothing; the store epilogues still write
   // zeros into every C[g] (through the kernel, so the call stays asynchronous).
   if (p->m_total == 0 && p->epilogue == MOK_GG_EPI_ACCUM_F32) return MOK_SUCCESS;
-  if (p->dtype == MOK_GG_FP8_BLOCK) return gw_run_fp8(p, stream);
 
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return MOK_ERROR_NO_DEVICE;
@@ -300,10 +241,7 @@ extern "C" mokResult_t mok_gw_preload(void) {
   const cudaError_t e[] = {
       cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_BF16, GW_STAGES_STAGED, 1>),
       cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_STORE_F32, GW_STAGES_STAGED, 1>),
-      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_ACCUM_F32, GW_STAGES_DIRECT, 0>),
-      cudaFuncGetAttributes(&a, gw_fp8_kernel<MOK_GG_EPI_STORE_BF16>),
-      cudaFuncGetAttributes(&a, gw_fp8_kernel<MOK_GG_EPI_STORE_F32>),
-      cudaFuncGetAttributes(&a, gw_fp8_kernel<MOK_GG_EPI_ACCUM_F32>)};
+      cudaFuncGetAttributes(&a, gw_bf16_kernel<MOK_GG_EPI_ACCUM_F32, GW_STAGES_DIRECT, 0>)};
   for (cudaError_t x : e)
     if (x != cudaSuccess) {
       cudaGetLastError();

@@ -81,13 +81,6 @@ __device__ __forceinline__ float ptx_ld_shared_f32(uint32_t addr) {
   return v;
 }
 
-// Two consecutive fp32 values (8-byte aligned) from shared memory (volatile, as ptx_ld_shared_f32).
-__device__ __forceinline__ float2 ptx_ld_shared_f32x2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-
 // A 16-byte load from shared memory at a shared-window address (volatile, as ptx_ld_shared_f32).
 __device__ __forceinline__ uint4 ptx_ld_shared_v4(uint32_t addr) {
   uint4 v;

@@ -77,42 +77,6 @@ mokResult_t mok_mx_quantize_rows_launch(const void *in, uint8_t *q, uint32_t *sc
                                         int64_t scales_ld, void *out, int64_t rows, int64_t cols,
                                         void *stream);
 
-/* The fp8-block weight gradients' operands (src/cuda/quant/quantize_cols.cu). A weight gradient
- * reduces over an expert's rows, so its operands are quantized along the rows, in blocks of 128
- * rows of one group starting at the group's first row, and stored transposed (K-major):
- *
- *   padded [G + 1] int32: padded[0] = 0, padded[g + 1] = padded[g] + the rows of group g rounded
- *          up to a multiple of 128 (mok_wgrad_padded_offsets_launch; offsets as the grouped GEMMs
- *          read them: device memory, clamped to [0, m_total])
- *   q      [n, ld] e4m3: q[c, padded[g] + i] = element (c, i) of group g's rows [lo, hi) of x
- *          transposed, quantized in 1x128 blocks along i exactly as mok_quantize_host quantizes
- *          that [n, hi - lo] matrix; 0 for i in [hi - lo, padded[g + 1] - padded[g])
- *   scales [ld / 128, n] fp32: the scale of (c, block i / 128) at [(padded[g] + i) / 128, c]
- *
- * Columns of q at or past padded[G] are not written. ld: a multiple of 128, at least
- * mok_wgrad_padded_rows_max(m_total, G), which bounds padded[G] without reading the offsets. */
-static inline int64_t mok_wgrad_padded_rows_max(int64_t m_total, int64_t num_groups) {
-  return (m_total + 127 * num_groups) / 128 * 128;
-}
-mokResult_t mok_wgrad_padded_offsets_launch(const void *offsets, int offsets_int64,
-                                            int64_t num_groups, int64_t m_total,
-                                            int32_t *padded, void *stream);
-typedef struct {
-  const void *x;            /* [m_total, n] bf16, 16-byte aligned; n % 64 == 0 */
-  int64_t m_total, n;
-  const void *offsets;      /* [G + 1] int32 or int64, device memory */
-  int offsets_int64;
-  int64_t num_groups;       /* G, 1..2^20 */
-  const int32_t *padded;    /* [G + 1], from mok_wgrad_padded_offsets_launch on these offsets */
-  uint8_t *q;               /* [n, ld] e4m3, 16-byte aligned */
-  float *scales;            /* [ld / 128, n] */
-  int64_t ld;
-  mok_quant_scale_t kind;   /* MOK_QUANT_FP32_SCALE or MOK_QUANT_POW2_SCALE */
-} mok_quantize_cols_params_t;
-/* Validates `p` (MOK_ERROR_NULL_POINTER, MOK_ERROR_INVALID_VALUE, MOK_ERROR_INVALID_SHAPE,
- * MOK_ERROR_MISALIGNED) and enqueues the kernel on `stream`; never synchronizes. */
-mokResult_t mok_quantize_cols_launch(const mok_quantize_cols_params_t *p, void *stream);
-
 /* Fills the whole quantized-weight buffer `out` (mok_qw_layout(d, EL) bytes, device memory) from
  * the bf16 weights `w` (device memory), byte for byte as mok_cpu_quantize_weights does on the
  * host; bytes between operands (alignment gaps) are not written. One launch on `stream`, on the

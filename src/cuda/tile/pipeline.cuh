@@ -224,14 +224,6 @@ __device__ __forceinline__ void tp_pass_tile(tp_ring_t *ring, uint64_t *full, ui
 struct tp_no_hook {
   __device__ __forceinline__ void operator()() const {}
 };
-template <class H>
-struct tp_is_no_hook {
-  static constexpr bool value = false;
-};
-template <>
-struct tp_is_no_hook<tp_no_hook> {
-  static constexpr bool value = true;
-};
 struct tp_no_prep {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
@@ -304,8 +296,6 @@ typedef struct {
                          // segment's [K2/128] (its block kb is the tile's block k_split + kb)
   int k_split;           // TP_FP8_B_SEGMENTS: K blocks of the first segment
   uint32_t sa;           // SMEM_A: shared address of this thread's first row's scale, stage 0
-  uint32_t sbc;          // TP_FP8_B_COLS: shared address of the scale of this thread's first
-                         // column (2 (lane % 4)) in stage 0's column slot (slots 640 bytes apart)
 } tp_fp8_scales_t;
 
 // Where the B scale of a stage comes from (the consumer's BMODE):
@@ -314,11 +304,7 @@ typedef struct {
 //                      (b2[kb]), so accumulator columns [0, 64) and [64, 128) promote with their
 //                      own scale
 //   TP_FP8_B_SEGMENTS  a second reduction segment: blocks kb >= k_split read b2[kb - k_split]
-//   TP_FP8_B_COLS      one scale per B row and K block (1x128 along K, as the activations'):
-//                      the producer loads the tile's 128 of each block into a second slot per
-//                      stage, and every accumulator column promotes with its own (the fp8
-//                      weight gradients, gemm/grouped_wgrad_fp8.cuh, whose B is an activation)
-enum { TP_FP8_B_ONE = 0, TP_FP8_B_HALVES = 1, TP_FP8_B_SEGMENTS = 2, TP_FP8_B_COLS = 3 };
+enum { TP_FP8_B_ONE = 0, TP_FP8_B_HALVES = 1, TP_FP8_B_SEGMENTS = 2 };
 
 // Consumer warpgroup `wg`, fp8-block: total[64 rows, 128 cols] = Σ_kb (A_kb · B_kbᵀ) · sa · sb,
 // e4m3 operands, 128 reduction elements per stage (four k32 wgmmas into a `part` set), promoted
@@ -370,34 +356,9 @@ __device__ __forceinline__ void tp_fp8_promote(float (&total)[64], float (&part)
   }
 }
 
-#define TP_FP8_COLS_EARLY 8  // pairs loaded before the wait (all 16 spilled 12 bytes)
-// TP_FP8_B_COLS: this thread's 32 column scales of a stage, pairs (columns 8 j + 2 (lane % 4),
-// + 1) at sbc + 32 j of its slot; loaded before the wait for the block's wgmmas, so that the
-// shared-memory latency hides under them (loaded in the promotion, their waits were the
-// consumers' largest stall).
-template <int J0, int NJ>
-__device__ __forceinline__ void tp_fp8_col_scales(float2 (&c)[16], uint32_t sbc) {
-#pragma unroll
-  for (int j = J0; j < J0 + NJ; j++) c[j] = ptx_ld_shared_f32x2(sbc + 32 * j);
-}
-
-// TP_FP8_B_COLS: total += part · (s0 rows, s1 rows + 8) · the column's scale.
-__device__ __forceinline__ void tp_fp8_promote_cols(float (&total)[64], float (&part)[64],
-                                                    float s0, float s1, const float2 (&c)[16]) {
-#pragma unroll
-  for (int j = 0; j < 16; j++) {
-    total[4 * j] += part[4 * j] * (s0 * c[j].x);
-    total[4 * j + 1] += part[4 * j + 1] * (s0 * c[j].y);
-    total[4 * j + 2] += part[4 * j + 2] * (s1 * c[j].x);
-    total[4 * j + 3] += part[4 * j + 3] * (s1 * c[j].y);
-  }
-}
-
-// The two B scales of block kb (the second is the up half's with TP_FP8_B_HALVES, else unused;
-// TP_FP8_B_COLS: 1, its column scales are applied in the promotion).
+// The two B scales of block kb (the second is the up half's with TP_FP8_B_HALVES, else unused).
 template <int BMODE>
 __device__ __forceinline__ float2 tp_fp8_b_scales(const tp_fp8_scales_t &sc, int kb) {
-  if (BMODE == TP_FP8_B_COLS) return make_float2(1.0f, 0.0f);
   if (BMODE == TP_FP8_B_HALVES) return make_float2(sc.b[kb], sc.b2[kb]);
   if (BMODE == TP_FP8_B_SEGMENTS)
     return make_float2(kb < sc.k_split ? sc.b[kb] : sc.b2[kb - sc.k_split], 0.0f);
@@ -407,29 +368,16 @@ __device__ __forceinline__ float2 tp_fp8_b_scales(const tp_fp8_scales_t &sc, int
 // Waits until at most N wgmma groups are pending, so that block `cur` (stage st) has completed,
 // releases the stage (the empty barriers follow the full ones: tp_plan's EMPTY_OFFSET =
 // FULL_OFFSET + 8 STAGES, so one offset names both) and promotes cur with s0, s1 (columns
-// [64, 128): t0, t1; TP_FP8_B_COLS: each column with its scale from the stage's column slot,
-// sbc being stage 0's).
-template <int N, int STAGES, int BMODE>
+// [64, 128): t0, t1).
+template <int N, int STAGES>
 __device__ __forceinline__ void tp_fp8_retire(uint32_t full0, uint32_t st, float s0, float s1,
-                                              float t0, float t1, uint32_t sbc, float (&cur)[64],
+                                              float t0, float t1, float (&cur)[64],
                                               float (&total)[64]) {
-  float2 cs[16];
-  const uint32_t sbc_st = sbc + st * MOK_TP_FP8_SLOT_BYTES;
-  if (BMODE == TP_FP8_B_COLS) tp_fp8_col_scales<0, TP_FP8_COLS_EARLY>(cs, sbc_st);
   ptx_wgmma_wait_group<N>();
 #pragma unroll
   for (int i = 0; i < 64; i++) ptx_fence_operand(cur[i]);
-  if (BMODE == TP_FP8_B_COLS) {
-    // NOTE: the column scales are read from the stage's slot: release the stage only after
-    // reading them (released first, the producer refilled the slot with a later block's scales
-    // under the promotion: results that changed with the grid).
-    tp_fp8_col_scales<TP_FP8_COLS_EARLY, 16 - TP_FP8_COLS_EARLY>(cs, sbc_st);
-    if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
-    tp_fp8_promote_cols(total, cur, s0, s1, cs);
-  } else {
-    if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
-    tp_fp8_promote(total, cur, s0, s1, t0, t1);
-  }
+  if ((threadIdx.x & 31) == 0) ptx_mbar_arrive_at(full0 + 8 * (STAGES + st));  // empty
+  tp_fp8_promote(total, cur, s0, s1, t0, t1);
 }
 
 // The promotion scales of one block: this thread's two row scales (sa0, sa1, or with SMEM_A read
@@ -474,7 +422,7 @@ __device__ __forceinline__ void tp_fp8_step(tp_ring_t *ring, uint32_t full0, uin
   tp_fp8_issue(nxt, da0 + step, db0 + step);
   tp_ring_advance<STAGES>(ring);
   if (SMEM_A) tp_fp8_row_scales<BMODE, 1>(sc.sa, *st_cur, 0.0f, 0.0f, sb_cur, s0, s1, t0, t1);
-  tp_fp8_retire<1, STAGES, BMODE>(full0, *st_cur, s0, s1, t0, t1, sc.sbc, cur, total);
+  tp_fp8_retire<1, STAGES>(full0, *st_cur, s0, s1, t0, t1, cur, total);
   *st_cur = st_next;
 }
 
@@ -486,24 +434,17 @@ __device__ __forceinline__ void tp_fp8_retire_last(uint32_t full0, uint32_t st,
                                                    float (&total)[64]) {
   float s0, s1, t0, t1;
   tp_fp8_row_scales<BMODE, SMEM_A>(sc.sa, st, sa0, sa1, sb, s0, s1, t0, t1);
-  tp_fp8_retire<0, STAGES, BMODE>(full0, st, s0, s1, t0, t1, sc.sbc, cur, total);
+  tp_fp8_retire<0, STAGES>(full0, st, s0, s1, t0, t1, cur, total);
 }
 
-// after_first (a tp_no_hook by default): called once the first block's wgmmas are issued, for
-// work that may use `total` as the caller left it (the fp8 weight gradients store the previous
-// tile's result there while the tensor cores start this one); total is zeroed after it. Same
-// rules as the bf16 consumer's after_first.
-template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0, int BMODE = TP_FP8_B_ONE,
-          class Hook = tp_no_hook>
+template <int BM, int STAGES, int C_BYTES, int SMEM_A = 0, int BMODE = TP_FP8_B_ONE>
 __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_t *smem,
                                                          uint64_t *full, uint64_t *empty,
                                                          int k_blocks, int wg, bool idle,
-                                                         tp_fp8_scales_t sc, float (&total)[64],
-                                                         Hook after_first = Hook()) {
+                                                         tp_fp8_scales_t sc, float (&total)[64]) {
   typedef tp_plan<BM, 128, STAGES, C_BYTES> P;
   static_assert(P::EMPTY_OFFSET == P::FULL_OFFSET + 8 * STAGES, "empty[] follows full[]");
   if (idle) {
-    after_first();
     tp_pass_tile<STAGES>(ring, full, empty, k_blocks);
     return;
   }
@@ -511,11 +452,8 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   const uint32_t da0 = (uint32_t)ptx_desc_kmajor_sw128(smem + wg * 64 * MOK_TP_ROW_BYTES);
   const uint32_t db0 = (uint32_t)ptx_desc_kmajor_sw128(smem + P::A_BYTES);
   float pa[64], pb[64];
-  constexpr bool DEFER = !tp_is_no_hook<Hook>::value;  // total is the caller's until after_first
-  if (!DEFER) {
 #pragma unroll
-    for (int i = 0; i < 64; i++) total[i] = 0.0f;
-  }
+  for (int i = 0; i < 64; i++) total[i] = 0.0f;
   float sa0 = 0.0f, sa1 = 0.0f;
   float2 sb = tp_fp8_b_scales<BMODE>(sc, 0);
   if (!SMEM_A) {
@@ -526,11 +464,6 @@ __device__ __forceinline__ void tp_consume_tile_fp8_n128(tp_ring_t *ring, uint8_
   ptx_mbar_wait_at(full0 + 8 * st_cur, ring->phase);
   tp_fp8_issue(pa, da0 + st_cur * (P::STAGE_BYTES >> 4), db0 + st_cur * (P::STAGE_BYTES >> 4));
   tp_ring_advance<STAGES>(ring);
-  if (DEFER) {
-    after_first();
-#pragma unroll
-    for (int i = 0; i < 64; i++) total[i] = 0.0f;
-  }
   int kb = 0;
   for (; kb + 2 < k_blocks; kb += 2) {  // blocks kb + 1 and kb + 2 exist: a pair of steps
     tp_fp8_step<STAGES, P::STAGE_BYTES, SMEM_A, BMODE>(ring, full0, da0, db0, kb, sc, sa0, sa1,
