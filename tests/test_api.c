@@ -82,7 +82,7 @@ MOK_TEST(api_error_strings_are_distinct) {
 }
 
 /* Virtual ranks: bad arguments, and without a GPU a clear NO_DEVICE, every out[] left NULL; with
- * one, W communicators of ranks 0..W-1 on the device (their layers: tests/gpu/test_ep.cu). */
+ * one, W communicators of ranks 0..W-1 on the device (their layers: tests/gpu/test_ep*.cu). */
 MOK_TEST(api_virtual_comm_errors) {
   mok_comm_t c[3] = {(mok_comm_t)0x1, (mok_comm_t)0x1, (mok_comm_t)0x1};
   MOK_EXPECT(mok_comm_create_virtual(NULL, 2, 0) == MOK_ERROR_NULL_POINTER);

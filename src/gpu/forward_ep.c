@@ -35,7 +35,7 @@
  * this call, and this rank rewrites it only after its next layout (forward or backward), whose
  * all-gather waits for every rank's next call, which its stream orders after its reduce. The
  * transport counts its calls (epochs) on the device, so a forward captured in a CUDA graph can
- * be replayed (tests/gpu/test_ep.cu).
+ * be replayed (tests/gpu/test_ep_backward.cu).
  */
 #include <string.h>
 

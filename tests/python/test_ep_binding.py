@@ -7,7 +7,7 @@ comm refusing to close under a layer, the EL = E / W shape checks (on _check.Dim
 which needs no GPU: a real W > 1 communicator does), and MoE on an explicit local comm equal to
 the default one bit for bit.
 
-GPU (skipped without torch.cuda; tests/gpu/test_ep.cu is the C side): W = 2 and 4 virtual ranks
+GPU (skipped without torch.cuda; tests/gpu/test_ep*.cu are the C side): W = 2 and 4 virtual ranks
 on GPU 0 (mok.Comm.virtual), each rank's calls on its own torch.cuda.Stream, all enqueued from
 this thread. EP-invariance is checked bitwise against a W = 1 layer (module) over the ranks'
 tokens concatenated in rank order: y, dx (x.grad), dtopk_w (topk_w.grad) and each routed
