@@ -2,8 +2,8 @@
  * test_fp8_layer.cu: fp8-block GPU layers with W = 1 (src/gpu/forward.c's gpu_forward_fp8 and the
  * fp8 steps of src/gpu/backward.c), and MXFP8 layers (gpu_forward_mx, the MXFP8 steps of the
  * backward), against the CPU layer's fp8 paths on the same inputs and the same quantized weights
- * (mok_quantize_weights on each side: byte for byte the same buffer, test_quantize.cu), in both
- * scale roundings (fp32 and power-of-two scales; MXFP8: E8M0): y, dx, dtopk_w and
+ * (mok_quantize_weights on each side: byte for byte the same buffer,
+ * test_quantize_launch.cu), in both scale roundings (fp32 and power-of-two scales; MXFP8: E8M0): y, dx, dtopk_w and
  * every weight gradient; routing edge cases; bitwise run-to-run determinism; RECOMPUTE equal to
  * SAVE bitwise; and what such a layer refuses. Every test skips without a GPU.
  *

@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(QUANT_CTA_THREADS, 4)
 // Elements of a finite block are converted by cvt.rn.satfinite.e4m3x2.f32, which rounds to
 // nearest even with subnormals and saturates to +-448 as quant_e4m3_from_float does, on the
 // finite values v / s that reach it (a block with a NaN or an infinity is all 0x7F, decided
-// before); tests/gpu/test_quantize.cu checks the bytes against the host's on this path too.
+// before); tests/gpu/test_quantize_launch.cu checks the bytes against the host's on this path too.
 enum { QROW_WARPS = 8, QROW_THREADS = 32 * QROW_WARPS };
 
 typedef struct {

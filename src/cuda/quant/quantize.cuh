@@ -24,12 +24,12 @@
  * value-changing step here is integer arithmetic on bit patterns or inline PTX div.rn.f32 /
  * mul.rn.f32 written without .ftz, which ptxas must honour whatever -ftz says. Still, never build
  * these files with -ftz=true or --use_fast_math: a flushed comparison or conversion added later
- * would silently break the bit-exactness that tests/gpu/test_quantize.cu checks.
+ * would silently break the bit-exactness that tests/gpu/test_quantize*.cu check.
  *
  * NOTE (hardware conversion): the functions above write the rounding out exactly like the host's.
  * quant_cvt_e4m3x2's cvt.rn.satfinite.e4m3x2.f32 takes only the finite values v / s of a finite
  * block (a block with a NaN or an infinity is all 0x7F, decided before), on which it rounds as
- * quant_e4m3_from_float does; tests/gpu/test_quantize.cu checks its bytes against the host's.
+ * quant_e4m3_from_float does; tests/gpu/test_quantize*.cu check its bytes against the host's.
  */
 #ifndef MOK_CUDA_QUANTIZE_CUH
 #define MOK_CUDA_QUANTIZE_CUH
