@@ -19,9 +19,9 @@ routing drawn uniformly at random, --tokens in all (default 16384; rank r holds 
 same tokens: y bitwise (forward); dx and dtopk_w bitwise and each routed expert's weight gradients
 by a 64-bit digest of their bits (forward + backward; a copy of DeepSeek-V3's would not fit; the
 shared expert's gradients are per rank by design and not compared). A W that differs is reported
-as wrong and not timed. Then forward, and forward + backward, are timed with CUDA events (median;
-gemm.py's time_ms, blocked by default); for W virtual ranks one call is every rank's call enqueued
-on its stream, timed from an event on the current stream before the first (which every rank's
+as wrong and not timed. Then forward, and forward + backward, are timed with CUDA events
+(median; harness.py's time_ms, blocked by default); for W virtual ranks one call is every rank's
+call enqueued on its stream, timed from an event on the current stream before the first (which every rank's
 stream waits for) to after the current stream has waited for every rank's stream. Under torchrun
 the timing is interleaved with a fixed number of launches (--reps), since blocked timing sizes
 its blocks by each rank's own clock and every rank must make the same calls; the time is the
@@ -60,8 +60,8 @@ sys.path.insert(0, HERE)
 # forward.py sets MOK_LIBRARY to build/libmok_bench.so (the W = 1 chain is a tuned layer)
 from forward import (FORWARD_CHAIN, MODELS, declare_tuning, print_kernel_times,  # noqa: E402
                      tuned_layer)
-from gemm import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
-                  default_rounds, git_commit, set_timing, time_ms)
+from harness import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
+                     default_rounds, git_commit, set_timing, time_ms)
 import mok  # noqa: E402
 
 ROUTED = ("wg", "wu", "wd")

@@ -22,7 +22,7 @@ top-8 routing drawn uniformly at random. Each case first checks MoK's y against 
 (relative L2 error; above 1e-2 the case is reported as wrong and not timed), then times both with
 CUDA events after warm-up (median; --timing blocked by default: each function runs back to back in
 blocks of launches, about --block-ms for the first, and the second half of each block is timed, so
-that each runs at the clock its own power draw allows; see gemm.py's time_ms).
+that each runs at the clock its own power draw allows; see harness.py's time_ms).
 FLOPs: 6 T K H I + 6 T H Is. The same run times the dense ceiling: the layer's GEMMs as dense
 cuBLAS matmuls with all T K routed rows as one expert (dense_ceiling), forward and forward +
 backward; ceiling_ratio = ceiling_ms / mok_ms (1.0 would be dense-GEMM speed). The forward +
@@ -84,8 +84,9 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 # The binding loads MOK_LIBRARY (python/mok/_lib.py): the benchmarks' library, which has
 # mok_bench_layer_tune, unless the user named another.
 os.environ.setdefault("MOK_LIBRARY", os.path.join(ROOT, "build", "libmok_bench.so"))
-from gemm import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
-                  default_rounds, git_commit, lib_b_name, load_libs, rel_err, set_timing, time_ms)
+from harness import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
+                     default_rounds, git_commit, lib_b_name, load_libs, rel_err, set_timing,
+                     time_ms)
 import mok  # noqa: E402
 import mok._lib  # noqa: E402
 

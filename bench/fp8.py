@@ -15,7 +15,7 @@ steps of src/gpu/backward.c); the BF16 layer runs its defaults (the fused forwar
 backward chain). Both write bf16 weight gradients (the PyTorch pipeline's dtype; DeepSeek-V3's
 fp32 ones do not fit twice beside its weights). Each case first checks the fp8 layer against the
 BF16 one (relative L2 error of y, dx and the weight gradients, which must be of e4m3's size:
-above 0.1 the case is reported as wrong and not timed), then times both (bench/gemm.py's
+above 0.1 the case is reported as wrong and not timed), then times both (bench/harness.py's
 time_ms: blocked by default). speedup = bf16_ms / fp8_ms. Appends one JSON object per case to
 --jsonl (default bench/results/fp8.jsonl).
 
@@ -35,8 +35,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 os.environ.setdefault("MOK_LIBRARY", os.path.join(ROOT, "build", "libmok.so"))
-from gemm import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
-                  git_commit, rel_err, set_timing, time_ms)
+from harness import (TIMING, add_timing_args, case_selected, clock_fields,  # noqa: E402
+                     git_commit, rel_err, set_timing, time_ms)
 from forward import MODELS, T, print_kernel_times  # noqa: E402
 import mok  # noqa: E402
 
