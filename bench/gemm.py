@@ -20,9 +20,9 @@ to multiples of 16).
 Each case: check MoK's output against torch's (relative L2 error; a case whose error is above 1e-2
 is reported as wrong and not timed), then time both with CUDA events after warm-up (median; --timing
 blocked by default: each function back to back in blocks of launches, about --block-ms for the
-first, the second half of each block timed, see time_ms; the operands are far larger than L2, so no
-rotation is needed). Prints a table and appends one JSON object per case to --jsonl (default
-bench/results/gemm.jsonl).
+first, the second half of each block timed, see harness.py's time_ms; the operands are far larger
+than L2, so no rotation is needed). Prints a table and appends one JSON object per case to --jsonl
+(default bench/results/gemm.jsonl).
 
     python3 bench/gemm.py [--commit SHA] [--cases substring] [--timing blocked|interleaved]
                           [--variants [NAMES]] [--lib-b PATH[,PATH...]]
