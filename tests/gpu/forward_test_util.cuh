@@ -1,6 +1,6 @@
 /*
- * forward_test_util.cuh: helpers of the GPU forward tests (test_forward.cu) on top of
- * tests/support: random layer problems with controlled routing (this file's two random streams),
+ * forward_test_util.cuh: helpers of the GPU forward tests (test_forward.cu,
+ * test_forward_fused.cu) on top of tests/support: random layer problems with controlled routing (this file's two random streams),
  * the CPU layer (the reference) and a GPU layer on the same inputs, and the tolerance of y with
  * its reason. Header-only, static.
  */
