@@ -21,12 +21,12 @@ by a 64-bit digest of their bits (forward + backward; a copy of DeepSeek-V3's wo
 shared expert's gradients are per rank by design and not compared). A W that differs is reported
 as wrong and not timed. Then forward, and forward + backward, are timed with CUDA events
 (median; harness.py's time_ms, blocked by default); for W virtual ranks one call is every rank's
-call enqueued on its stream, timed from an event on the current stream before the first (which every rank's
-stream waits for) to after the current stream has waited for every rank's stream. Under torchrun
-the timing is interleaved with a fixed number of launches (--reps), since blocked timing sizes
-its blocks by each rank's own clock and every rank must make the same calls; the time is the
-slowest rank's. FLOPs over all tokens, as forward.py counts them: 6 T K H I + 6 T H Is (3x for
-forward + backward). Printed and in the rows: ms, TF/s, vs_w1 = W = 1's ms / this ms (1: as
+call enqueued on its stream, timed from an event on the current stream before the first (which
+every rank's stream waits for) to after the current stream has waited for every rank's stream.
+Under torchrun the timing is interleaved with a fixed number of launches (--reps), since blocked
+timing sizes its blocks by each rank's own clock and every rank must make the same calls; the time
+is the slowest rank's. FLOPs over all tokens, as forward.py counts them: 6 T K H I + 6 T H Is (3x
+for forward + backward). Printed and in the rows: ms, TF/s, vs_w1 = W = 1's ms / this ms (1: as
 fast as W = 1; below 1: slower) and, for the forward, vs_w1_chain = W = 1's chain ms / this ms;
 with virtual ranks (BF16) also the forward with the dispatch inside each rank's fused kernel,
 each rank's kernel on (SMs - W) / W CTAs as that needs (dispatch_in_kernel_ms, its vs_w1, its
