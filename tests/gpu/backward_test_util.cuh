@@ -7,6 +7,8 @@
 #ifndef MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
 #define MOK_TESTS_GPU_BACKWARD_TEST_UTIL_CUH
 
+#include <string>
+
 #include "cuda/backward/backward.h"
 #include "forward_test_util.cuh"
 
@@ -313,6 +315,39 @@ static int bwd_same(const bwd_out_t *a, const bwd_out_t *b) {
   int same = a->dx == b->dx && memcmp(a->dtw.data(), b->dtw.data(), a->dtw.size() * 4) == 0;
   for (int i = 0; i < BWD_NW; i++) same &= a->dw[i] == b->dw[i];
   return same;
+}
+
+// Where two runs' gradients differ, for a failure message: per output, the elements that differ
+// and the first of them ("dx: 12 of 4096 differ, first [3, 17]; dwd: ..."), or "" when bitwise
+// equal. Byte-wise for the weight gradients (elements of `elem` bytes, rows of `cols`).
+static void bwd_diff_part(std::string *out, const char *name, const uint8_t *a, const uint8_t *b,
+                          size_t bytes, size_t elem, int64_t cols) {
+  int64_t n = 0, first = -1;
+  for (size_t i = 0; i < bytes / elem; i++)
+    if (memcmp(a + i * elem, b + i * elem, elem)) n += 1, first = first < 0 ? (int64_t)i : first;
+  if (n == 0) return;
+  char line[160];
+  snprintf(line, sizeof(line), "%s%s: %lld of %lld differ, first [%lld, %lld]",
+           out->empty() ? "" : "; ", name, (long long)n, (long long)(bytes / elem),
+           (long long)(first / cols), (long long)(first % cols));
+  *out += line;
+}
+static std::string bwd_diff(const bwd_problem_t *p, const bwd_out_t *a, const bwd_out_t *b) {
+  const fwd_problem_t &f = p->f;
+  std::string out;
+  if (a->dx.size() != b->dx.size() || a->dtw.size() != b->dtw.size()) return "sizes differ";
+  bwd_diff_part(&out, "dx", (const uint8_t *)a->dx.data(), (const uint8_t *)b->dx.data(),
+                a->dx.size() * 2, 2, f.H);
+  bwd_diff_part(&out, "dtopk_w", (const uint8_t *)a->dtw.data(), (const uint8_t *)b->dtw.data(),
+                a->dtw.size() * 4, 4, f.K);
+  const size_t elem = p->wdt == MOK_WGRAD_BF16 ? 2 : 4;
+  for (int i = 0; i < BWD_NW; i++) {
+    if (a->dw[i].size() != b->dw[i].size()) return out + "; weight-gradient sizes differ";
+    const int64_t cols = i == 2 ? f.I : i == 5 ? f.Is : f.H;  // dWd [E, H, I], dWsd [H, Is]
+    bwd_diff_part(&out, bwd_w_name[i], a->dw[i].data(), b->dw[i].data(), a->dw[i].size(), elem,
+                  cols);
+  }
+  return out;
 }
 
 // p's forward + backward on a layer of its own in context mode `mode`, `runs` times (each on

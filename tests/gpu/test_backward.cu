@@ -128,7 +128,8 @@ MOK_TEST(bwd_gpu_is_bitwise_deterministic) {
     MOK_REQUIRE_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
     MOK_EXPECT_MSG(mok_layer_check(g.f.l) == MOK_SUCCESS, "%s", mok_last_error());
     bwd_gpu_outputs(&g, &p, &o2);
-    MOK_EXPECT_MSG(bwd_same(&o1, &o2), "%s gradients differ between two runs", dt ? "bf16" : "fp32");
+    MOK_EXPECT_MSG(bwd_same(&o1, &o2), "%s gradients differ between two runs (%s)",
+                   dt ? "bf16" : "fp32", bwd_diff(&p, &o1, &o2).c_str());
     bwd_gpu_close(&g);
   }
 }
@@ -144,8 +145,8 @@ MOK_TEST(bwd_gpu_recompute_equals_save_bitwise) {
     bwd_out_t o[2];
     MOK_REQUIRE(bwd_gpu_runs_in_mode(&p, MOK_CONTEXT_SAVE, 1, &o[0]));
     MOK_REQUIRE(bwd_gpu_runs_in_mode(&p, MOK_CONTEXT_RECOMPUTE, 1, &o[1]));
-    MOK_EXPECT_MSG(bwd_same(&o[0], &o[1]), "RECOMPUTE differs from SAVE (%s)",
-                   c ? "bf16 accumulated" : "fp32");
+    MOK_EXPECT_MSG(bwd_same(&o[0], &o[1]), "RECOMPUTE differs from SAVE (%s: %s)",
+                   c ? "bf16 accumulated" : "fp32", bwd_diff(&p, &o[0], &o[1]).c_str());
     if (c == 0) {  // and against the CPU layer in RECOMPUTE mode
       p.f.mode = MOK_CONTEXT_RECOMPUTE;
       bwd_out_t ref;
@@ -191,7 +192,8 @@ static void graph_case(mok_backward_path_t path) {
     MOK_EXPECT_MSG(bwd_gpu_run(&g, &p, 0) == MOK_SUCCESS, "%s", mok_last_error());
     bwd_gpu_outputs(&g, &p, &od);
     MOK_EXPECT_MSG(bwd_same(&og, &od), "%s backward: graph replay %d differs from the direct "
-                   "calls", path == MOK_BACKWARD_FUSED ? "fused" : "chain", i);
+                   "calls (%s)", path == MOK_BACKWARD_FUSED ? "fused" : "chain", i,
+                   bwd_diff(&p, &og, &od).c_str());
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -248,7 +250,7 @@ static void fused_case(int64_t H, int64_t I, int64_t E, int64_t K, int64_t Is, i
     bwd_out_t fused;
     if (!bwd_run_path(&p, MOK_BACKWARD_FUSED, grids[i], &fused)) continue;
     MOK_EXPECT_MSG(bwd_same(&fused, &chain), "%s: the fused backward on %d CTAs differs from the "
-                   "chain", what, grids[i]);
+                   "chain (%s)", what, grids[i], bwd_diff(&p, &fused, &chain).c_str());
   }
 }
 
