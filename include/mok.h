@@ -78,10 +78,12 @@ typedef struct CUstream_st *mok_stream_t;
 struct ncclComm;
 
 /* Handles. A layer uses its communicator: create the communicator first and destroy it last
- * (mok_comm_destroy refuses while layers created on it live). Destroying NULL does nothing. A
- * destroyed handle must not be used again; where its memory has not been reused yet, every call
- * refuses it (and any pointer that never was a handle) with MOK_ERROR_INVALID_VALUE, "destroyed
- * or invalid handle", instead of touching it. */
+ * (mok_comm_destroy refuses while layers created on it live). Destroying NULL does nothing. The
+ * library keeps the set of live handles: every call refuses a destroyed handle, a handle of the
+ * other kind and any pointer that never was a handle with MOK_ERROR_INVALID_VALUE, "destroyed or
+ * invalid handle", without reading the memory it points to (only a new handle that happens to
+ * get a destroyed one's address is live again). Of two threads destroying the same handle, one
+ * succeeds and the other is refused. */
 typedef struct mok_comm *mok_comm_t;
 typedef struct mok_layer *mok_layer_t;
 

@@ -1,16 +1,19 @@
 /*
  * test_misuse.c: what a caller gets wrong, answered with an error instead of a crash: handles
- * used after destroy or destroyed twice (refused while their memory has not been reused, because
- * destroy clears their magic word first), a communicator destroyed under a live layer (refused:
- * it counts its layers), a pointer that never was a handle, NULL arguments at every entry point,
- * and caller buffers whose stated size is below what the layer needs (refused, naming both sizes).
+ * used after destroy or destroyed twice (refused without reading their freed memory: live handles
+ * are registered, src/api/handles.c, whose set is checked here against a plain model), a
+ * communicator destroyed under a live layer (refused: it counts its layers), a pointer that never
+ * was a handle, NULL arguments at every entry point, and caller buffers whose stated size is below
+ * what the layer needs (refused, naming both sizes).
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "api/api.h"
 #include "mok.h"
+#include "support/rng.h"
 #include "test.h"
 
 static int msg_has(const char *needle) { return strstr(mok_last_error(), needle) != NULL; }
@@ -70,6 +73,38 @@ MOK_TEST(misuse_comm_destroyed_under_a_live_layer_is_refused) {
   mok_layer_t l = (mok_layer_t)0x1;
   MOK_EXPECT(mok_layer_create(&l, c, &d) == MOK_ERROR_INVALID_VALUE && l == NULL);
   MOK_EXPECT(mok_comm_destroy(NULL) == MOK_SUCCESS);
+}
+
+/* The set of live handles against a plain array of flags: 3000 addresses (a run of neighbours,
+ * as an allocator hands out, so that probe runs form and deletions must shift them back), each
+ * added, looked up and taken in random order, under both kinds; a taken or never-added address,
+ * or one of the other kind, is not live, and a second take fails. */
+MOK_TEST(misuse_handle_set_matches_a_model) {
+  enum { N = 3000 };
+  static uint64_t cells[N];
+  static int live[N]; /* 0: not live, else its kind */
+  test_rng_t rng = test_rng(0x4a11d1e5u);
+  int bad = 0;
+  for (int step = 0; step < 40000; step++) {
+    const int i = (int)test_rng_below(&rng, N), kind = 1 + (int)test_rng_below(&rng, 2);
+    const int op = (int)test_rng_below(&rng, 3);
+    if (op == 0 && !live[i]) {
+      bad += !mok_handle_add(&cells[i], kind);
+      live[i] = kind;
+    } else if (op == 1) {
+      bad += mok_handle_take(&cells[i], kind) != (live[i] == kind);
+      if (live[i] == kind) live[i] = 0;
+    } else {
+      bad += mok_handle_live(&cells[i], kind) != (live[i] == kind);
+    }
+  }
+  for (int i = 0; i < N; i++) {
+    bad += mok_handle_live(&cells[i], MOK_HANDLE_COMM) != (live[i] == MOK_HANDLE_COMM);
+    bad += mok_handle_live(&cells[i], MOK_HANDLE_LAYER) != (live[i] == MOK_HANDLE_LAYER);
+    if (live[i]) bad += !mok_handle_take(&cells[i], live[i]) || mok_handle_take(&cells[i], live[i]);
+  }
+  MOK_EXPECT_MSG(bad == 0, "%d answers of the handle set differ from the model", bad);
+  MOK_EXPECT(!mok_handle_live(NULL, MOK_HANDLE_LAYER) && !mok_handle_add(NULL, MOK_HANDLE_LAYER));
 }
 
 MOK_TEST(misuse_pointers_that_never_were_handles) {

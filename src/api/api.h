@@ -19,10 +19,17 @@
 extern "C" { /* the CUDA launchers report errors through mok_fail */
 #endif
 
-/* Handles carry a magic word, checked at every entry point and cleared before the handle is
- * freed, so a destroyed handle is refused wherever its memory has not been reused yet.
- * NOTE: the magic sits past the first 32 bytes of each struct: free() keeps its free-list links
- * at the start of a freed block, which would overwrite a magic there. */
+/* Live handles are registered (src/api/handles.c): every entry point looks its handle up before
+ * it reads the memory behind it, so a destroyed handle, or a pointer that never was one, is
+ * refused without that memory being read (it may have been freed, unmapped or reused). A handle
+ * also carries a magic word, checked once the lookup found it live, against memory corruption.
+ * mok_handle_add: 0 when the set could not grow; mok_handle_live: 1 when h is a live handle of
+ * this kind; mok_handle_take: the same, and h is no longer live (destroy: exactly one caller
+ * gets 1, so a handle is never freed twice). */
+enum { MOK_HANDLE_COMM = 1, MOK_HANDLE_LAYER = 2 };
+int mok_handle_add(const void *h, int kind);
+int mok_handle_live(const void *h, int kind);
+int mok_handle_take(const void *h, int kind);
 #define MOK_COMM_MAGIC 0x316d6d6f436b6f6dull  /* "mokComm1" */
 #define MOK_LAYER_MAGIC 0x3172796c4c6b6f6dull /* "mokLlyr1" */
 

@@ -10,10 +10,25 @@
 #include "api/api.h"
 #include "common/limits.h"
 
-_Static_assert(offsetof(struct mok_comm, magic) >= 32, "the magic must survive free() (api.h)");
+static mokResult_t invalid_comm(mok_comm_t comm, const char *fn) {
+  return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                  "%s: comm %p is a destroyed or invalid handle (not from mok_comm_create_*, or "
+                  "already passed to mok_comm_destroy)",
+                  fn, (void *)comm);
+}
+
+/* Makes a new communicator a live handle (its magic set, registered); MOK_ERROR_OUT_OF_MEMORY
+ * when the handle set could not grow, and then c is the caller's to free. */
+static mokResult_t comm_register(mok_comm_t c) {
+  c->magic = MOK_COMM_MAGIC;
+  if (mok_handle_add(c, MOK_HANDLE_COMM)) return MOK_SUCCESS;
+  c->magic = 0;
+  return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_comm_create: the set of live handles");
+}
 
 mokResult_t mok_comm_valid(mok_comm_t comm, const char *fn) {
   if (!comm) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: comm is NULL", fn);
+  if (!mok_handle_live(comm, MOK_HANDLE_COMM)) return invalid_comm(comm, fn);
   if (comm->magic != MOK_COMM_MAGIC)
     return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
                     "%s: comm %p is a destroyed or invalid handle (not from mok_comm_create_*, or "
@@ -45,7 +60,10 @@ mokResult_t mok_comm_create_local(mok_comm_t *out, int device) {
   c->device = device;
   c->rank = 0;
   c->nranks = 1;
-  c->magic = MOK_COMM_MAGIC;
+  if ((r = comm_register(c)) != MOK_SUCCESS) {
+    free(c);
+    return r;
+  }
   *out = c;
   return MOK_SUCCESS;
 }
@@ -103,7 +121,11 @@ static mokResult_t comm_from_nccl(mok_comm_t *out, void *nccl, int owns, int dev
     free(c);
     return r;
   }
-  c->magic = MOK_COMM_MAGIC;
+  if ((r = comm_register(c)) != MOK_SUCCESS) {  /* the caller destroys an owned nccl */
+    mok_nccl_devcomm_destroy(nccl, c->devcomm);
+    free(c);
+    return r;
+  }
   *out = c;
   return MOK_SUCCESS;
 }
@@ -183,6 +205,8 @@ mokResult_t mok_comm_destroy(mok_comm_t comm) {
                     "destroy %s with mok_layer_destroy first (the communicator is left intact)",
                     live, live == 1 ? "" : "s", live == 1 ? "is" : "are",
                     live == 1 ? "it" : "them");
+  /* Only one of several concurrent destroys gets past this: a handle is never freed twice. */
+  if (!mok_handle_take(comm, MOK_HANDLE_COMM)) return invalid_comm(comm, "mok_comm_destroy");
   *(volatile uint64_t *)&comm->magic = 0; /* volatile: not dropped as dead before free() */
   mok_vgroup_leave(comm);
 #ifdef MOK_WITH_NCCL

@@ -37,7 +37,8 @@ const char *mok_last_error(void) { return g_last_error; }
 
 const char *mok_layer_last_error(mok_layer_t layer) {
   if (!layer) return "";
-  if (layer->magic != MOK_LAYER_MAGIC) return "destroyed or invalid layer handle";
+  if (!mok_handle_live(layer, MOK_HANDLE_LAYER) || layer->magic != MOK_LAYER_MAGIC)
+    return "destroyed or invalid layer handle";
   return layer->err;
 }
 

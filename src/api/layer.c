@@ -93,15 +93,17 @@ static mokResult_t check_desc(const mok_layer_desc_t *d, int W) {
   return MOK_SUCCESS;
 }
 
-_Static_assert(offsetof(struct mok_layer, magic) >= 32, "the magic must survive free() (api.h)");
+static mokResult_t invalid_layer(mok_layer_t l, const char *fn) {
+  return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
+                  "%s: layer %p is a destroyed or invalid handle (not from mok_layer_create, or "
+                  "already passed to mok_layer_destroy)",
+                  fn, (void *)l);
+}
 
 mokResult_t mok_layer_valid(mok_layer_t l, const char *fn) {
   if (!l) return mok_fail(NULL, MOK_ERROR_NULL_POINTER, "%s: layer is NULL", fn);
-  if (l->magic != MOK_LAYER_MAGIC)
-    return mok_fail(NULL, MOK_ERROR_INVALID_VALUE,
-                    "%s: layer %p is a destroyed or invalid handle (not from mok_layer_create, "
-                    "or already passed to mok_layer_destroy)",
-                    fn, (void *)l);
+  if (!mok_handle_live(l, MOK_HANDLE_LAYER) || l->magic != MOK_LAYER_MAGIC)
+    return invalid_layer(l, fn);
   return MOK_SUCCESS;
 }
 
@@ -136,6 +138,11 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
     return r;
   }
   l->magic = MOK_LAYER_MAGIC;
+  if (!mok_handle_add(l, MOK_HANDLE_LAYER)) {
+    if (is_gpu(l)) mok_gpu_layer_destroy(l);
+    free(l);
+    return mok_fail(NULL, MOK_ERROR_OUT_OF_MEMORY, "mok_layer_create: the set of live handles");
+  }
   __atomic_fetch_add(&comm->live_layers, 1, __ATOMIC_ACQ_REL);
   *out = l;
   return MOK_SUCCESS;
@@ -144,9 +151,10 @@ mokResult_t mok_layer_create(mok_layer_t *out, mok_comm_t comm, const mok_layer_
 mokResult_t mok_layer_destroy(mok_layer_t layer) {
   if (!layer) return MOK_SUCCESS; /* like free() */
   LAYER_ENTRY(layer, "mok_layer_destroy");
-  /* Before anything else, so that a second destroy is refused, never a double free. NOTE:
-   * volatile, or the compiler drops the store as dead before free(). */
-  *(volatile uint64_t *)&layer->magic = 0;
+  /* Before anything else, so that a second destroy (or a concurrent one) is refused, never a
+   * double free. */
+  if (!mok_handle_take(layer, MOK_HANDLE_LAYER)) return invalid_layer(layer, "mok_layer_destroy");
+  *(volatile uint64_t *)&layer->magic = 0; /* volatile: not dropped as dead before free() */
   if (is_gpu(layer)) mok_gpu_layer_destroy(layer);
   __atomic_fetch_sub(&layer->comm->live_layers, 1, __ATOMIC_ACQ_REL);
   free(layer);
