@@ -60,7 +60,7 @@ TEST_OBJS := $(TEST_SRCS:%.c=$(BUILD)/%.o) $(GPU_TEST_SRCS:%.cu=$(BUILD)/%.o)
 HEADERS   := $(wildcard include/*.h src/*/*.h bench/driver/*.h src/cuda/*.cuh src/cuda/*/*.h src/cuda/*/*.cuh \
                tests/*.h tests/support/*.h tests/gpu/*.h tests/gpu/*.cuh)
 
-.PHONY: all test run bench fuzz clean check-spills nccl-info
+.PHONY: all test run bench fuzz clean check-spills nccl-info sanitize
 all: $(BUILD)/libmok.so $(BUILD)/libmok.a $(BUILD)/libmok_bench.so $(BUILD)/mok_tests $(BUILD)/mok_run
 
 $(BUILD)/%.o: %.c $(HEADERS)
@@ -119,6 +119,16 @@ test: $(BUILD)/mok_tests check-spills
 	else echo "SKIP python binding tests: numpy or pytest not installed (pip install numpy pytest)"; fi
 	$(BUILD)/mok_tests $(TESTS)
 
+# The C tests of a CPU-only build with AddressSanitizer and UndefinedBehaviorSanitizer (any
+# finding fails the run), in build-sanitize/: the host code, the CPU reference and the API's
+# misuse paths without invalid reads, leaks or undefined behaviour.
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+sanitize:
+	$(MAKE) BUILD=build-sanitize NVCC= CC="$(CC) $(SAN_FLAGS)" LDLIBS="-lm -lpthread $(SAN_FLAGS)" \
+	  build-sanitize/mok_tests
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+	  build-sanitize/mok_tests $(TESTS)
+
 # The hardening campaign on a GPU machine (tests/gpu/test_fuzz.cu): FUZZ_CASES random layers
 # against the CPU layer, split over FUZZ_JOBS processes with seeds 1..FUZZ_JOBS (the CPU reference
 # is the slow side: about 1 s a case), then 10,000 forward + backward calls on one layer (no
@@ -152,7 +162,7 @@ nccl-info:
 	@echo "NCCL_HOME=$(NCCL_HOME) NCCL_LIBDIR=$(NCCL_LIBDIR)"
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-sanitize
 
 # `make install PREFIX=/usr/local` (DESTDIR= for staging): include/mok.h, lib/libmok.so and
 # lib/pkgconfig/mok.pc, so that `cc app.c $(pkg-config --cflags --libs mok)` builds against it
