@@ -107,6 +107,68 @@ MOK_TEST(misuse_handle_set_matches_a_model) {
   MOK_EXPECT(!mok_handle_live(NULL, MOK_HANDLE_LAYER) && !mok_handle_add(NULL, MOK_HANDLE_LAYER));
 }
 
+/* A value of a descriptor field: mostly a multiple of 128 up to 8192, else near the bounds (0, 1,
+ * multiples of 128 and their neighbours, the limits and past them, the int64 extremes) or any
+ * 64-bit pattern. */
+static int64_t rnd_dim(test_rng_t *rng) {
+  static const int64_t edge[] = {0,        1,         -1,        127,        128,      129,
+                                 256,      384,       1024,      4096,       1 << 20,  (1 << 20) + 128,
+                                 1 << 24,  (1 << 24) + 1,        INT32_MAX,  (int64_t)INT32_MAX + 1,
+                                 INT64_MAX, INT64_MIN, -128,     64,         8,        2};
+  const uint64_t pick = test_rng_below(rng, 16);
+  if (pick == 0) return (int64_t)test_rng_u64(rng);
+  if (pick < 12) return 128 * (int64_t)(1 + test_rng_below(rng, 64));
+  return edge[test_rng_below(rng, sizeof(edge) / sizeof(edge[0]))];
+}
+
+/* Random descriptors, 20,000 of them: mok_layer_create either makes a layer whose size queries
+ * answer, or refuses with a message; never anything else (and, under make sanitize, without
+ * overflow or any other undefined behaviour in the size arithmetic). */
+MOK_TEST(misuse_random_descriptors_are_created_or_refused) {
+  mok_comm_t c;
+  MOK_REQUIRE(mok_comm_create_local(&c, MOK_DEVICE_CPU) == MOK_SUCCESS);
+  test_rng_t rng = test_rng(0xde5c0000u);
+  static const double cf[] = {0.0, 1.0, 0.5, 1e-300, -1.0, 2.0, 1e300, 0.0 / 0.0, 1.0 / 0.0};
+  int created = 0, bad = 0;
+  for (int i = 0; i < 20000; i++) {
+    mok_layer_desc_t d = MOK_LAYER_DESC_INIT;
+    d.hidden = rnd_dim(&rng), d.intermediate = rnd_dim(&rng);
+    /* each field valid most of the time, so that many layers are made and each refusal has few
+     * causes */
+#define SOMETIMES(valid, other) (test_rng_below(&rng, 8) ? (valid) : (other))
+    d.shared_intermediate = SOMETIMES(0, rnd_dim(&rng));
+    d.num_experts = SOMETIMES((int64_t)(1 + test_rng_below(&rng, 300)), rnd_dim(&rng));
+    d.top_k = SOMETIMES((int64_t)(1 + test_rng_below(&rng, 9)), rnd_dim(&rng));
+    d.max_tokens = SOMETIMES((int64_t)(1 + test_rng_below(&rng, 1 << 16)), rnd_dim(&rng));
+    d.precision = (mok_precision_t)SOMETIMES((int)test_rng_below(&rng, 3), -1 + 5 * (int)test_rng_below(&rng, 2));
+    d.fp8_scale = (mok_fp8_scale_t)SOMETIMES((int)test_rng_below(&rng, 2), 7);
+    d.wgrad_dtype = (mok_wgrad_dtype_t)SOMETIMES((int)test_rng_below(&rng, 2), -3);
+    d.wgrad_accumulate = SOMETIMES((int)test_rng_below(&rng, 2), 2);
+    d.context_mode = (mok_context_mode_t)SOMETIMES((int)test_rng_below(&rng, 2), 9);
+    d.comm_sms = SOMETIMES((int)test_rng_below(&rng, 40), -1);
+    d.capacity_factor = SOMETIMES(cf[test_rng_below(&rng, 3)], cf[test_rng_below(&rng, 9)]);
+#undef SOMETIMES
+    mok_layer_t l = (mok_layer_t)0x1;
+    const mokResult_t r = mok_layer_create(&l, c, &d);
+    if (r != MOK_SUCCESS) {
+      bad += l != NULL || (r != MOK_ERROR_INVALID_SHAPE && r != MOK_ERROR_INVALID_VALUE) ||
+             mok_last_error()[0] == '\0';
+      continue;
+    }
+    created++;
+    size_t ctx = 0, ws = 1, qw = 1;
+    bad += mok_context_size(l, &ctx) != MOK_SUCCESS || ctx == 0;
+    bad += mok_layer_workspace_size(l, &ws) != MOK_SUCCESS || ws != 0;  /* CPU: per call */
+    bad += mok_quantized_weights_size(l, &qw) != MOK_SUCCESS;
+    bad += mok_layer_destroy(l) != MOK_SUCCESS;
+  }
+  printf("    %d of 20000 random descriptors made a layer\n", created);
+  MOK_EXPECT_MSG(bad == 0, "%d descriptors answered outside the contract", bad);
+  MOK_EXPECT_MSG(created > 100 && created < 19000, "%d of 20000 random descriptors made a layer",
+                 created);
+  MOK_EXPECT(mok_comm_destroy(c) == MOK_SUCCESS);
+}
+
 MOK_TEST(misuse_pointers_that_never_were_handles) {
   memset(g_junk, 0x5A, sizeof(g_junk));
   mok_layer_t l = (mok_layer_t)(void *)g_junk;
