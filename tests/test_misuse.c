@@ -111,10 +111,12 @@ MOK_TEST(misuse_handle_set_matches_a_model) {
  * multiples of 128 and their neighbours, the limits and past them, the int64 extremes) or any
  * 64-bit pattern. */
 static int64_t rnd_dim(test_rng_t *rng) {
-  static const int64_t edge[] = {0,        1,         -1,        127,        128,      129,
-                                 256,      384,       1024,      4096,       1 << 20,  (1 << 20) + 128,
-                                 1 << 24,  (1 << 24) + 1,        INT32_MAX,  (int64_t)INT32_MAX + 1,
-                                 INT64_MAX, INT64_MIN, -128,     64,         8,        2};
+  static const int64_t edge[] = {0,         1,         -1,          127,
+                                 128,       129,       256,         384,
+                                 1024,      4096,      1 << 20,     (1 << 20) + 128,
+                                 1 << 24,   (1 << 24) + 1,          INT32_MAX,
+                                 (int64_t)INT32_MAX + 1, INT64_MAX, INT64_MIN,
+                                 -128,      64,        8,           2};
   const uint64_t pick = test_rng_below(rng, 16);
   if (pick == 0) return (int64_t)test_rng_u64(rng);
   if (pick < 12) return 128 * (int64_t)(1 + test_rng_below(rng, 64));
@@ -140,7 +142,8 @@ MOK_TEST(misuse_random_descriptors_are_created_or_refused) {
     d.num_experts = SOMETIMES((int64_t)(1 + test_rng_below(&rng, 300)), rnd_dim(&rng));
     d.top_k = SOMETIMES((int64_t)(1 + test_rng_below(&rng, 9)), rnd_dim(&rng));
     d.max_tokens = SOMETIMES((int64_t)(1 + test_rng_below(&rng, 1 << 16)), rnd_dim(&rng));
-    d.precision = (mok_precision_t)SOMETIMES((int)test_rng_below(&rng, 3), -1 + 5 * (int)test_rng_below(&rng, 2));
+    const int bad_precision = 5 * (int)test_rng_below(&rng, 2) - 1;  /* -1 or 4 */
+    d.precision = (mok_precision_t)SOMETIMES((int)test_rng_below(&rng, 3), bad_precision);
     d.fp8_scale = (mok_fp8_scale_t)SOMETIMES((int)test_rng_below(&rng, 2), 7);
     d.wgrad_dtype = (mok_wgrad_dtype_t)SOMETIMES((int)test_rng_below(&rng, 2), -3);
     d.wgrad_accumulate = SOMETIMES((int)test_rng_below(&rng, 2), 2);
