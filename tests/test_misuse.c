@@ -6,6 +6,7 @@
  * was a handle, NULL arguments at every entry point, and caller buffers whose stated size is below
  * what the layer needs (refused, naming both sizes).
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -169,6 +170,65 @@ MOK_TEST(misuse_random_descriptors_are_created_or_refused) {
   MOK_EXPECT_MSG(bad == 0, "%d descriptors answered outside the contract", bad);
   MOK_EXPECT_MSG(created > 100 && created < 19000, "%d of 20000 random descriptors made a layer",
                  created);
+  MOK_EXPECT(mok_comm_destroy(c) == MOK_SUCCESS);
+}
+
+/* Threads that create and destroy layers on one communicator at once, and pairs of threads that
+ * destroy the same layer at the same moment: every create succeeds, of each pair exactly one
+ * destroy succeeds (the other is refused: no double free, which make sanitize would report), and
+ * the communicator's count of live layers ends at 0 (it can then be destroyed). */
+typedef struct {
+  mok_comm_t comm;
+  mok_layer_t shared[64]; /* destroyed by two threads each */
+  int thread, ok_creates, ok_destroys;
+} race_arg_t;
+
+static void *race_thread(void *p) {
+  race_arg_t *a = p;
+  const mok_layer_desc_t d = small_desc();
+  for (int i = 0; i < 300; i++) {
+    mok_layer_t l;
+    if (mok_layer_create(&l, a->comm, &d) != MOK_SUCCESS) continue;
+    a->ok_creates++;
+    a->ok_destroys += mok_layer_destroy(l) == MOK_SUCCESS;
+  }
+  return NULL;
+}
+
+static void *race_destroy(void *p) {
+  race_arg_t *a = p;
+  for (int i = 0; i < 64; i++) a->ok_destroys += mok_layer_destroy(a->shared[i]) == MOK_SUCCESS;
+  return NULL;
+}
+
+MOK_TEST(misuse_concurrent_creates_and_destroys) {
+  mok_comm_t c;
+  MOK_REQUIRE(mok_comm_create_local(&c, MOK_DEVICE_CPU) == MOK_SUCCESS);
+  enum { NT = 6 };
+  static race_arg_t args[NT];
+  pthread_t th[NT];
+  for (int t = 0; t < NT; t++) {
+    memset(&args[t], 0, sizeof(args[t]));
+    args[t].comm = c, args[t].thread = t;
+    MOK_REQUIRE(pthread_create(&th[t], NULL, race_thread, &args[t]) == 0);
+  }
+  for (int t = 0; t < NT; t++) pthread_join(th[t], NULL);
+  int creates = 0, destroys = 0;
+  for (int t = 0; t < NT; t++) creates += args[t].ok_creates, destroys += args[t].ok_destroys;
+  MOK_EXPECT_MSG(creates == NT * 300 && destroys == creates, "%d creates, %d destroys of %d",
+                 creates, destroys, NT * 300);
+  /* two threads destroying the same 64 layers */
+  const mok_layer_desc_t d = small_desc();
+  race_arg_t pair[2];
+  memset(pair, 0, sizeof(pair));
+  for (int i = 0; i < 64; i++)
+    MOK_REQUIRE(mok_layer_create(&pair[0].shared[i], c, &d) == MOK_SUCCESS);
+  memcpy(pair[1].shared, pair[0].shared, sizeof(pair[0].shared));
+  for (int t = 0; t < 2; t++)
+    MOK_REQUIRE(pthread_create(&th[t], NULL, race_destroy, &pair[t]) == 0);
+  for (int t = 0; t < 2; t++) pthread_join(th[t], NULL);
+  MOK_EXPECT_MSG(pair[0].ok_destroys + pair[1].ok_destroys == 64, "%d + %d destroys of 64 layers",
+                 pair[0].ok_destroys, pair[1].ok_destroys);
   MOK_EXPECT(mok_comm_destroy(c) == MOK_SUCCESS);
 }
 
