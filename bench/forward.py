@@ -61,7 +61,11 @@ gradients' bits. Example: --variant lagE:backward_lag=1000
 
 --lib-b PATH[,PATH...] times the fused forward of other libmok.so builds in the same rounds
 (mok_lib_b_ms, mok_lib_b2_ms, ...), after checking that each gives the chain's bits: an A/B of
-two builds on the same machine in the same thermal state. Separate processes on the same machine
+two builds on the same machine in the same thermal state. In the forward + backward case each
+build's step is timed too, with its default backward (bwd_lib_b_ms, ...) and, for a
+libmok_bench.so, its fused one (bwd_lib_b_fused_ms, ...); their gradients are checked against the
+pipeline's (relative error: another build may sum in another order) and the fused one against
+the build's own default, bitwise. Separate processes on the same machine
 measured the same build 1-2% apart; with --timing interleaved, one launch of each function per
 round (--rounds = --reps, the default with --lib-b) is the protocol that gave the same answer in
 both positions (docs/performance.md, "A/B of two builds").
@@ -479,10 +483,62 @@ def run_case(model, args, gen):
                 print(f"{model} fwd+bwd: {key[:-3]}'s gradients differ from the chain's")
                 same_bwd = False
                 del bwd_fused[key]
+        # --lib-b: each other build's forward + backward step on a layer of its own (same
+        # weight-gradient dtype, a context of its own, the same inputs and gradient buffers),
+        # with its default backward (bwd_lib_b_ms, ...) and with its fused one if it is a
+        # libmok_bench.so (bwd_lib_b_fused_ms, ...), in the same rounds. Another build may sum
+        # in another order (a branch under test), so its gradients are checked against the
+        # pipeline's by relative error, and its fused backward against its own default bitwise.
+        layers_fb = []
+        for i, lib_b in enumerate(args.lib_b):
+            col = lib_b_name(i)[4:-3]  # lib_b, lib_b2, ...
+            lb = with_lib(lambda: mok.Layer(H, I, E, K, max_tokens=T, shared_intermediate=Is,
+                                             device="cuda:0", wgrad_fp32=wgrad_fp32), lib_b)()
+            ctx_b = torch.empty(with_lib(lb.context_bytes, lib_b)(), device=dev,
+                                dtype=torch.uint8)
+            layers_fb.append((lb, lib_b, ctx_b))
+
+            def step_b(lb=lb, lib_b=lib_b, ctx_b=ctx_b, fused=False):
+                def run():
+                    if fused:
+                        mok._lib.check(lb._lib.mok_bench_layer_tune(lb._layer, b"backward_path", 1))
+                    try:
+                        lb.forward(x, idx, tw, w, y, ctx_b, stream=stream)
+                        lb.backward(x, idx, tw, w, ctx_b, dy, grads, stream=stream)
+                    finally:
+                        if fused:
+                            mok._lib.check(
+                                lb._lib.mok_bench_layer_tune(lb._layer, b"backward_path", 0))
+                return with_lib(run, lib_b)
+            step = step_b()
+            step()
+            with_lib(lb.check, lib_b)()
+            errs_b = {"dx": rel_err(grads["dx"], xl.grad),
+                      "dtopk_w": rel_err(grads["dtopk_w"], twl.grad)}
+            brow[f"{col}_rel_errs"] = errs_b
+            if not max(errs_b.values()) < 2e-2:
+                print(f"{model} fwd+bwd: --lib-b {i + 1} WRONG, relative errors {errs_b}")
+                continue
+            bwd_fused[f"bwd_{col}_ms"] = step
+            if hasattr(lb._lib, "mok_bench_layer_tune"):
+                bits_b = grad_fingerprint(grads)
+                fused_b = step_b(fused=True)
+                fused_b()
+                with_lib(lb.check, lib_b)()
+                brow[f"{col}_fused_equals_chain"] = grad_fingerprint(grads) == bits_b
+                if brow[f"{col}_fused_equals_chain"]:
+                    bwd_fused[f"bwd_{col}_fused_ms"] = fused_b
+                else:
+                    print(f"{model} fwd+bwd: --lib-b {i + 1}'s fused backward differs from its "
+                          f"chain")
         times = time_ms([mok_step, base_step] + list(bwd_fused.values()), args.warmup, args.reps,
                         args.rounds)
         mok_ms, base_ms = times[:2]
         brow.update(zip(bwd_fused, times[2:]), fused_bwd_equals_chain=same_bwd)
+        for lb, lib_b, _ in layers_fb:
+            with_lib(lb.check, lib_b)()
+            with_lib(lb.close, lib_b)()
+        del layers_fb
         if "bwd_fused_ms" in brow:
             brow["bwd_fused_vs_chain"] = mok_ms / brow["bwd_fused_ms"]
         layer.check()
