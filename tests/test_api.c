@@ -261,6 +261,47 @@ MOK_TEST(api_bad_routing_is_reported_and_leaves_outputs_intact) {
   fixture_free(&f);
 }
 
+/* Random routings, valid or not, against a model of the contract (an id is -1 or in [0, E), no
+ * expert twice in a token): a valid one gives MOK_SUCCESS and a written y, then a backward that
+ * succeeds too; any other gives MOK_ERROR_INVALID_ROUTING with y untouched. 600 of them, on the
+ * fixture's layer (E = 4, K = 2, T = 8). */
+MOK_TEST(api_random_routing_is_computed_or_refused) {
+  fixture_t f;
+  MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 0, 8) == MOK_SUCCESS);
+  const int64_t T = 8, K = 2, E = 4, ybytes = 2 * T * 128;
+  static const int32_t odd[] = {-2, 4, 5, INT32_MAX, INT32_MIN, -1000};
+  test_rng_t rng = test_rng(0x5107eu);
+  int bad = 0, valid_n = 0;
+  for (int it = 0; it < 600; it++) {
+    int valid = 1;
+    for (int64_t t = 0; t < T; t++) {
+      int32_t *idx = &f.p.idx[t * K];
+      for (int64_t k = 0; k < K; k++) {
+        const uint64_t pick = test_rng_below(&rng, 40);
+        idx[k] = pick == 0 ? odd[test_rng_below(&rng, 6)]
+                 : pick < 6 ? -1
+                            : (int32_t)test_rng_below(&rng, (uint64_t)E);
+        valid &= idx[k] == -1 || (idx[k] >= 0 && idx[k] < E);
+      }
+      valid &= !(idx[0] >= 0 && idx[0] == idx[1]);
+    }
+    valid_n += valid;
+    memset(f.y, 0xCD, (size_t)ybytes);
+    const mokResult_t r = mok_forward(f.c.l, &f.a, f.y, f.c.ctx, f.c.ctx_bytes, NULL);
+    if (!valid) {
+      bad += r != MOK_ERROR_INVALID_ROUTING || test_bytes_not(f.y, (size_t)ybytes, 0xCD) != 0;
+      continue;
+    }
+    bad += r != MOK_SUCCESS || test_bytes_not(f.y, (size_t)ybytes, 0xCD) == 0;
+    if (r == MOK_SUCCESS)
+      bad += mok_backward(f.c.l, &f.a, &f.g, f.c.ctx, f.c.ctx_bytes, NULL) != MOK_SUCCESS;
+  }
+  MOK_EXPECT_MSG(bad == 0, "%d of 600 routings answered outside the contract (%d valid)", bad,
+                 valid_n);
+  MOK_EXPECT_MSG(valid_n > 30 && valid_n < 570, "%d of 600 random routings valid", valid_n);
+  fixture_free(&f);
+}
+
 MOK_TEST(api_capacity_overflow_is_reported) {
   fixture_t f;
   MOK_REQUIRE(fixture_init(&f, MOK_PRECISION_BF16, 0, 8) == MOK_SUCCESS);
