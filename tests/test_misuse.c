@@ -3,8 +3,9 @@
  * used after destroy or destroyed twice (refused without reading their freed memory: live handles
  * are registered, src/api/handles.c, whose set is checked here against a plain model), a
  * communicator destroyed under a live layer (refused: it counts its layers), a pointer that never
- * was a handle, NULL arguments at every entry point, and caller buffers whose stated size is below
- * what the layer needs (refused, naming both sizes).
+ * was a handle, NULL arguments at every entry point, caller buffers whose stated size is below
+ * what the layer needs (refused, naming both sizes), random descriptors (made or refused, never
+ * anything else), and threads racing to create and destroy layers.
  */
 #include <pthread.h>
 #include <stdint.h>
